@@ -1,0 +1,74 @@
+"""Upcycle an in-memory residual causal LM into an mHC model that computes the same function."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from hf_mhc.configuration_mhc import SUPPORTED_BACKBONES, MHCConfig
+from hf_mhc.modeling_mhc import MHCForCausalLM
+
+HC_PARAMETER_MARKERS: tuple[str, ...] = (".attn_hc.", ".ffn_hc.", "model.hc_head.")
+
+
+def is_hc_parameter(name: str) -> bool:
+    """Whether a state-dict key belongs to the mHC maps (kept in float32), not to the backbone."""
+    return any(marker in name for marker in HC_PARAMETER_MARKERS)
+
+
+def mhc_config_for(backbone_config, hc_mult: int = 4, **hc_options) -> MHCConfig:
+    """An :class:`MHCConfig` wrapping a copy of ``backbone_config`` (function-preserving initialisation)."""
+    model_type = getattr(backbone_config, "model_type", None)
+    if model_type not in SUPPORTED_BACKBONES:
+        raise ValueError(
+            f"Cannot upcycle a {model_type!r} model; supported backbone families: {', '.join(SUPPORTED_BACKBONES)}."
+        )
+    if hc_options.get("hc_init", "function_preserving") != "function_preserving":
+        raise ValueError("Upcycling needs hc_init='function_preserving', the initialisation that keeps the function.")
+    backbone = copy.deepcopy(backbone_config)
+    return MHCConfig(backbone_config=backbone, hc_mult=hc_mult, **hc_options)
+
+
+def upcycle(model: PreTrainedModel | str | os.PathLike, hc_mult: int = 4, **hc_options) -> MHCForCausalLM:
+    """Build an n-stream mHC model from a Llama / Mistral / Qwen2 / Qwen3 causal LM, copying its weights.
+
+    Args:
+        model: a loaded ``*ForCausalLM`` or a path / Hub id that ``AutoModelForCausalLM`` loads.
+        hc_mult: number of residual streams.
+        **hc_options: other :class:`MHCConfig` fields (``hc_sinkhorn_iters``, ``hc_eps``, ``hc_init_*``).
+
+    Returns:
+        An :class:`MHCForCausalLM` on the source's device, backbone weights in the source's dtype, HC weights in
+        float32, whose logits equal the source's up to ``hc_eps``.
+    """
+    if isinstance(model, (str, os.PathLike)):
+        model = AutoModelForCausalLM.from_pretrained(model)
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"upcycle expects a transformers PreTrainedModel or a path, got {type(model).__name__}.")
+    config = mhc_config_for(model.config, hc_mult=hc_mult, **hc_options)
+    config._attn_implementation = model.config._attn_implementation
+    source_state = model.state_dict()
+    mhc_model = MHCForCausalLM(config)
+    expected = {name for name in mhc_model.state_dict() if not is_hc_parameter(name)}
+    missing = sorted(expected - set(source_state))
+    unexpected = sorted(set(source_state) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{type(model).__name__} does not match an mHC {config.backbone_config.model_type} layout: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}."
+        )
+    dtype = next(model.parameters()).dtype
+    with torch.no_grad():
+        for name, param in mhc_model.named_parameters():
+            if not is_hc_parameter(name):
+                param.data = source_state[name].detach().clone().to(dtype)
+        for name, buffer in mhc_model.named_buffers():
+            if name in source_state:
+                buffer.copy_(source_state[name])
+    mhc_model.tie_weights()
+    mhc_model.generation_config = copy.deepcopy(model.generation_config)
+    mhc_model.train(model.training)
+    return mhc_model.to(next(model.parameters()).device)

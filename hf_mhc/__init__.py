@@ -1,0 +1,45 @@
+"""hf-mhc: Manifold-Constrained Hyper-Connections (mHC) for Hugging Face Transformers.
+
+Importing this package registers ``MHCConfig`` (``model_type="mhc"``) and the mHC models with
+``AutoConfig``, ``AutoModel``, ``AutoModelForCausalLM`` and ``AutoModelForSequenceClassification``.
+"""
+
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+)
+
+from .configuration_mhc import SUPPORTED_BACKBONES, MHCConfig
+from .modeling_mhc import (
+    MHCDecoderLayer,
+    MHCForCausalLM,
+    MHCForSequenceClassification,
+    MHCHyperConnection,
+    MHCHyperHead,
+    MHCModel,
+    MHCPreTrainedModel,
+)
+
+AutoConfig.register(MHCConfig.model_type, MHCConfig, exist_ok=True)
+AutoModel.register(MHCConfig, MHCModel, exist_ok=True)
+AutoModelForCausalLM.register(MHCConfig, MHCForCausalLM, exist_ok=True)
+AutoModelForSequenceClassification.register(MHCConfig, MHCForSequenceClassification, exist_ok=True)
+
+from .conversion import upcycle  # noqa: E402  (needs the classes registered above)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SUPPORTED_BACKBONES",
+    "MHCConfig",
+    "MHCDecoderLayer",
+    "MHCForCausalLM",
+    "MHCForSequenceClassification",
+    "MHCHyperConnection",
+    "MHCHyperHead",
+    "MHCModel",
+    "MHCPreTrainedModel",
+    "upcycle",
+]

@@ -1,0 +1,102 @@
+"""MHCConfig: a residual backbone's own config, nested, plus the mHC hyper-parameters."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from huggingface_hub.dataclasses import strict
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.configuration_utils import SubConfigSpec
+
+SUPPORTED_BACKBONES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+HC_INITS: tuple[str, ...] = ("function_preserving", "deepseek_v4")
+MAX_HC_MULT = 8
+
+
+@strict
+class MHCConfig(PreTrainedConfig):
+    r"""Configuration of an mHC model built on a dense residual backbone.
+
+    Args:
+        backbone_config (`PreTrainedConfig` or `dict`):
+            The backbone family's own config (`LlamaConfig`, `MistralConfig`, `Qwen2Config`, `Qwen3Config`, or its
+            dict with a `model_type`). Attention, MLP, norms and rotary embedding are built from it.
+        hc_mult (`int`, defaults to 4): number of residual streams `n`, 1 to 8.
+        hc_sinkhorn_iters (`int`, defaults to 20): Sinkhorn-Knopp iterations for `comb`, at least 1.
+        hc_eps (`float`, defaults to 1e-6): the epsilon added to `pre`, `comb` and each Sinkhorn denominator.
+        hc_init (`str`, defaults to `"function_preserving"`):
+            `"function_preserving"` makes a fresh model compute exactly its residual backbone (DESIGN §4):
+            `pre = 1/n`, `mean(post) = 1`, `comb_b = hc_init_comb_diag * I`, the head averaging the streams,
+            and the dynamic part off through `fn = 0` (with a non-zero scale, so `fn` still gets a gradient).
+            `"deepseek_v4"` is DeepSeek-V4's initialisation (`fn ~ N(0, initializer_range)`, `base = 0`,
+            `scale = 1`), which does not preserve the backbone's function.
+        hc_init_post_delta (`float`, defaults to 0.1):
+            `post` biases come in pairs `±k·δ` (k = 1, 2, ...; a 0 for odd n), so `mean(post) = 1` exactly while
+            no two streams are alike: identical streams would receive identical gradients forever.
+        hc_init_comb_diag (`float`, defaults to 2.0):
+            `c` in `comb_b = c·I`. 2.0 puts 0.71 of each stream's weight on itself for n = 4 (close to the identity
+            residual) while the softmax stays far from saturation, so `comb` keeps a useful gradient.
+        hc_init_dynamic_scale (`float`, defaults to 0.01):
+            initial `scale` of the dynamic (token-dependent) part. Non-zero so that `fn = 0` gets a gradient;
+            small, as in the mHC paper, so that early updates of `fn` perturb the maps gently.
+
+    Example:
+
+    ```python
+    >>> from transformers import LlamaConfig
+    >>> from hf_mhc import MHCConfig, MHCForCausalLM
+    >>> config = MHCConfig(backbone_config=LlamaConfig(hidden_size=64, num_hidden_layers=2), hc_mult=4)
+    >>> model = MHCForCausalLM(config)
+    ```
+    """
+
+    model_type = "mhc"
+    sub_configs_defaults = {"backbone_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
+
+    backbone_config: dict | PreTrainedConfig | None = None
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    hc_init: Literal["function_preserving", "deepseek_v4"] = "function_preserving"
+    hc_init_post_delta: float = 0.1
+    hc_init_comb_diag: float = 2.0
+    hc_init_dynamic_scale: float = 0.01
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        if isinstance(self.backbone_config, dict):
+            _check_backbone_type(self.backbone_config.get("model_type"))
+        super().__post_init__(**kwargs)
+        _check_backbone_type(self.backbone_config.model_type)
+        if isinstance(self.hc_mult, bool) or not isinstance(self.hc_mult, int) or not 1 <= self.hc_mult <= MAX_HC_MULT:
+            raise ValueError(f"hc_mult must be an integer from 1 to {MAX_HC_MULT}, got {self.hc_mult!r}.")
+        if isinstance(self.hc_sinkhorn_iters, bool) or not isinstance(self.hc_sinkhorn_iters, int) or (
+            self.hc_sinkhorn_iters < 1
+        ):
+            raise ValueError(f"hc_sinkhorn_iters must be an integer >= 1, got {self.hc_sinkhorn_iters!r}.")
+        if not self.hc_eps > 0:
+            raise ValueError(f"hc_eps must be > 0, got {self.hc_eps!r}.")
+        if self.hc_eps >= 1.0 / self.hc_mult:
+            raise ValueError(f"hc_eps must be smaller than 1/hc_mult = {1.0 / self.hc_mult}, got {self.hc_eps!r}.")
+        if self.hc_init not in HC_INITS:
+            raise ValueError(f"hc_init must be one of {', '.join(HC_INITS)}; got {self.hc_init!r}.")
+        if self.hc_init_dynamic_scale == 0:
+            raise ValueError("hc_init_dynamic_scale must be non-zero, or fn (initialised to 0) never gets a gradient.")
+        # One source of truth for tying: the backbone's own flag, mirrored where transformers looks for it.
+        self.tie_word_embeddings = bool(getattr(self.backbone_config, "tie_word_embeddings", False))
+
+    def get_text_config(self, decoder=None, encoder=None) -> PreTrainedConfig:
+        """The backbone config: vocabulary, layers, cache layout and special tokens all live there."""
+        return self.backbone_config
+
+
+def _check_backbone_type(model_type: str | None) -> None:
+    if model_type not in SUPPORTED_BACKBONES:
+        raise ValueError(
+            f"Unsupported mHC backbone {model_type!r}; supported backbone families: {', '.join(SUPPORTED_BACKBONES)}."
+        )
+
+
+MHCConfig.register_for_auto_class()
+
+__all__ = ["MHCConfig", "SUPPORTED_BACKBONES"]

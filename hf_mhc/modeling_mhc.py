@@ -1,0 +1,419 @@
+"""mHC models on dense residual backbones (Llama, Mistral, Qwen2, Qwen3).
+
+Decoder layers reuse the backbone family's own attention, MLP, RMSNorm and rotary modules, so every backbone
+tensor keeps its name (``model.layers.0.self_attn.q_proj.weight``). Only the residual wiring is new: the hidden
+state is ``hc_mult`` streams ``[B, T, n, C]``, mixed around each sublayer by ``attn_hc`` / ``ffn_hc`` and read
+out by ``model.hc_head`` (DESIGN §3; names and numerics as transformers' DeepSeek-V4).
+
+This file, ``configuration_mhc.py`` and ``mhc_reference.py`` are copied flat into saved checkpoints, so a
+machine without ``hf_mhc`` can load them with ``trust_remote_code=True``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.utils import can_return_tuple
+
+from .configuration_mhc import MHCConfig
+
+try:  # the plugin's dispatching ops (fused kernels where available)
+    from hf_mhc.kernels import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre
+except ImportError:  # a checkpoint loaded as remote code on a machine without hf_mhc
+    from .mhc_reference import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre
+
+
+@dataclass(frozen=True)
+class BackboneModules:
+    """The transformers classes an mHC decoder layer borrows from one backbone family."""
+
+    attention: type[nn.Module]
+    mlp: type[nn.Module]
+    norm: type[nn.Module]
+    rotary: type[nn.Module]
+
+
+_BACKBONE_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+def backbone_modules(model_type: str) -> BackboneModules:
+    """Attention / MLP / RMSNorm / rotary classes of a supported backbone family."""
+    prefix = _BACKBONE_CLASS_PREFIX.get(model_type)
+    if prefix is None:
+        raise ValueError(
+            f"Unsupported mHC backbone {model_type!r}; supported backbone families: "
+            f"{', '.join(_BACKBONE_CLASS_PREFIX)}."
+        )
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    return BackboneModules(
+        attention=getattr(module, f"{prefix}Attention"),
+        mlp=getattr(module, f"{prefix}MLP"),
+        norm=getattr(module, f"{prefix}RMSNorm"),
+        rotary=getattr(module, f"{prefix}RotaryEmbedding"),
+    )
+
+
+def attention_layer_types(backbone_config) -> list[str]:
+    """Per-layer attention kind (``"full_attention"`` or ``"sliding_attention"``) as the backbone defines it."""
+    layer_types = getattr(backbone_config, "layer_types", None)
+    if layer_types is not None:
+        return list(layer_types)
+    kind = "sliding_attention" if getattr(backbone_config, "sliding_window", None) is not None else "full_attention"
+    return [kind] * backbone_config.num_hidden_layers
+
+
+class MHCHyperConnection(nn.Module):
+    """The token-dependent maps of one sublayer: ``streams [B, T, n, C] -> pre, post [B, T, n], comb [B, T, n, n]``.
+
+    Parameters (float32): ``fn [(n+2)*n, n*C]``, ``base [(n+2)*n]``, ``scale [3]``.
+    """
+
+    def __init__(self, config: MHCConfig):
+        super().__init__()
+        n, hidden = config.hc_mult, config.backbone_config.hidden_size
+        self.hc_mult = n
+        self.hc_sinkhorn_iters = config.hc_sinkhorn_iters
+        self.hc_eps = config.hc_eps
+        self.norm_eps = config.backbone_config.rms_norm_eps
+        self.fn = nn.Parameter(torch.empty((n + 2) * n, n * hidden, dtype=torch.float32))
+        self.base = nn.Parameter(torch.empty((n + 2) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return mhc_coeffs(
+            streams,
+            self.fn,
+            self.base,
+            self.scale,
+            sinkhorn_iters=self.hc_sinkhorn_iters,
+            eps=self.hc_eps,
+            norm_eps=self.norm_eps,
+        )
+
+
+class MHCHyperHead(nn.Module):
+    """Final read-out of the streams: ``[B, T, n, C] -> [B, T, C]``. Parameters ``hc_fn [n, n*C]``, ``hc_base [n]``,
+    ``hc_scale [1]`` (float32)."""
+
+    def __init__(self, config: MHCConfig):
+        super().__init__()
+        n, hidden = config.hc_mult, config.backbone_config.hidden_size
+        self.hc_eps = config.hc_eps
+        self.norm_eps = config.backbone_config.rms_norm_eps
+        self.hc_fn = nn.Parameter(torch.empty(n, n * hidden, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.empty(n, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        return mhc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, eps=self.hc_eps, norm_eps=self.norm_eps)
+
+
+class MHCDecoderLayer(GradientCheckpointingLayer):
+    """A pre-norm decoder layer of the backbone family with its two residual adds replaced by mHC.
+
+    ``streams [B, T, n, C]`` in, ``streams [B, T, n, C]`` out (plus the attention weights when the attention
+    implementation returns them).
+    """
+
+    def __init__(self, config: MHCConfig, layer_idx: int):
+        super().__init__()
+        backbone = config.backbone_config
+        parts = backbone_modules(backbone.model_type)
+        self.layer_idx = layer_idx
+        self.attention_type = attention_layer_types(backbone)[layer_idx]
+        self.self_attn = parts.attention(config=backbone, layer_idx=layer_idx)
+        self.mlp = parts.mlp(backbone)
+        self.input_layernorm = parts.norm(backbone.hidden_size, eps=backbone.rms_norm_eps)
+        self.post_attention_layernorm = parts.norm(backbone.hidden_size, eps=backbone.rms_norm_eps)
+        self.attn_hc = MHCHyperConnection(config)
+        self.ffn_hc = MHCHyperConnection(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pre, post, comb = self.attn_hc(hidden_states)
+        attn_output, attn_weights = self.self_attn(
+            hidden_states=self.input_layernorm(mhc_pre(hidden_states, pre)),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = mhc_post_res(hidden_states, attn_output, post, comb)
+
+        pre, post, comb = self.ffn_hc(hidden_states)
+        mlp_output = self.mlp(self.post_attention_layernorm(mhc_pre(hidden_states, pre)))
+        return mhc_post_res(hidden_states, mlp_output, post, comb), attn_weights
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1.0 - p))
+
+
+def function_preserving_hc_base(config: MHCConfig) -> torch.Tensor:
+    """``base [(n+2)*n]`` of DESIGN §4: ``pre = 1/n`` exactly, ``post`` biases ``±k·δ`` (mean 1), ``comb_b = c·I``."""
+    n, eps = config.hc_mult, config.hc_eps
+    pre_b = torch.full((n,), _logit(1.0 / n - eps), dtype=torch.float64)
+    post_b = torch.zeros(n, dtype=torch.float64)
+    for pair in range(n // 2):
+        post_b[2 * pair] = (pair + 1) * config.hc_init_post_delta
+        post_b[2 * pair + 1] = -(pair + 1) * config.hc_init_post_delta
+    comb_b = config.hc_init_comb_diag * torch.eye(n, dtype=torch.float64).flatten()
+    return torch.cat([pre_b, post_b, comb_b]).float()
+
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_mhc.MHCConfig",
+    "AutoModel": "modeling_mhc.MHCModel",
+    "AutoModelForCausalLM": "modeling_mhc.MHCForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_mhc.MHCForSequenceClassification",
+}
+
+
+class MHCPreTrainedModel(PreTrainedModel):
+    config_class = MHCConfig
+    config: MHCConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MHCDecoderLayer"]
+    _skip_keys_device_placement = ["cache"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = False
+    _keep_in_fp32_modules_strict = ["attn_hc", "ffn_hc", "hc_head"]
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save as an ordinary folder whose ``auto_map`` names every mHC class, for ``trust_remote_code`` loading."""
+        self.config.auto_map = dict(AUTO_MAP)
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        config = self.config
+        std = getattr(config.backbone_config, "initializer_range", 0.02)
+        if isinstance(module, MHCHyperConnection):
+            if config.hc_init == "function_preserving":
+                init.zeros_(module.fn)
+                init.copy_(module.base, function_preserving_hc_base(config))
+                init.constant_(module.scale, config.hc_init_dynamic_scale)
+            else:
+                init.normal_(module.fn, mean=0.0, std=std)
+                init.zeros_(module.base)
+                init.ones_(module.scale)
+        elif isinstance(module, MHCHyperHead):
+            if config.hc_init == "function_preserving":
+                init.zeros_(module.hc_fn)
+                init.constant_(module.hc_base, _logit(1.0 / config.hc_mult - config.hc_eps))
+                init.constant_(module.hc_scale, config.hc_init_dynamic_scale)
+            else:
+                init.normal_(module.hc_fn, mean=0.0, std=std)
+                init.zeros_(module.hc_base)
+                init.ones_(module.hc_scale)
+
+
+class MHCModel(MHCPreTrainedModel):
+    """Embedding, mHC decoder layers, head read-out and final norm. Returns ``last_hidden_state [B, T, C]``;
+    ``hidden_states`` (when asked) holds the streams ``[B, T, n, C]`` entering each layer and leaving the last."""
+
+    def __init__(self, config: MHCConfig):
+        super().__init__(config)
+        backbone = config.backbone_config
+        parts = backbone_modules(backbone.model_type)
+        self.padding_idx = backbone.pad_token_id
+        self.vocab_size = backbone.vocab_size
+        self.embed_tokens = nn.Embedding(backbone.vocab_size, backbone.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([MHCDecoderLayer(config, i) for i in range(backbone.num_hidden_layers)])
+        self.hc_head = MHCHyperHead(config)
+        self.norm = parts.norm(backbone.hidden_size, eps=backbone.rms_norm_eps)
+        self.rotary_emb = parts.rotary(config=backbone)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | dict | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        backbone = self.config.backbone_config
+        use_cache = use_cache if use_cache is not None else getattr(backbone, "use_cache", True)
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        if output_attentions is None:
+            output_attentions = self.config.output_attentions
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=backbone)
+        if position_ids is None:
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        if isinstance(attention_mask, dict):
+            masks = attention_mask
+        else:
+            mask_kwargs = {
+                "config": backbone,
+                "inputs_embeds": inputs_embeds,
+                "attention_mask": attention_mask,
+                "cache": cache,
+                "position_ids": position_ids,
+            }
+            masks = {"full_attention": create_causal_mask(**mask_kwargs)}
+            if any(layer.attention_type == "sliding_attention" for layer in self.layers):
+                masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+
+        streams = inputs_embeds.unsqueeze(-2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        all_hidden_states = () if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        for layer in self.layers:
+            if output_hidden_states:
+                all_hidden_states += (streams,)
+            streams, attn_weights = layer(
+                streams,
+                attention_mask=masks[layer.attention_type],
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
+            if output_attentions:
+                all_attentions += (attn_weights,)
+        if output_hidden_states:
+            all_hidden_states += (streams,)
+
+        return BaseModelOutputWithPast(
+            last_hidden_state=self.norm(self.hc_head(streams)),
+            cache=cache if use_cache else None,
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+        )
+
+
+class MHCForCausalLM(MHCPreTrainedModel, GenerationMixin):
+    """mHC causal language model: :class:`MHCModel` plus the backbone's ``lm_head`` (tied when the backbone ties)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: MHCConfig):
+        super().__init__(config)
+        backbone = config.backbone_config
+        self.model = MHCModel(config)
+        self.vocab_size = backbone.vocab_size
+        self.lm_head = nn.Linear(backbone.hidden_size, backbone.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        r"""``labels [B, T]`` (shifted inside, ``-100`` ignored) give ``loss``; ``logits [B, T, vocab]``."""
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+class MHCForSequenceClassification(GenericForSequenceClassification, MHCPreTrainedModel):
+    """Sequence classification on the last non-padding token (as transformers' ``*ForSequenceClassification``)."""
+
+    def __init__(self, config: MHCConfig):
+        MHCPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.model = MHCModel(config)
+        self.score = nn.Linear(config.backbone_config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
+
+MHCModel.register_for_auto_class("AutoModel")
+MHCForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+MHCForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")
+
+__all__ = [
+    "MHCDecoderLayer",
+    "MHCForCausalLM",
+    "MHCForSequenceClassification",
+    "MHCHyperConnection",
+    "MHCHyperHead",
+    "MHCModel",
+    "MHCPreTrainedModel",
+]
