@@ -204,6 +204,18 @@ class MHCPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = False
     _keep_in_fp32_modules_strict = ["attn_hc", "ffn_hc", "hc_head"]
 
+    def __init__(self, config: MHCConfig, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        self._sync_backbone_attn_implementation()
+
+    def _sync_backbone_attn_implementation(self) -> None:
+        # The backbone's attention modules read their own (nested) config; it follows the mHC config's choice.
+        self.config.backbone_config._attn_implementation_internal = self.config._attn_implementation
+
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        super().set_attn_implementation(attn_implementation, *args, **kwargs)
+        self._sync_backbone_attn_implementation()
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save as an ordinary folder whose ``auto_map`` names every mHC class, for ``trust_remote_code`` loading."""
         self.config.auto_map = dict(AUTO_MAP)
