@@ -20,9 +20,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
+# pytest and ruff run from the venv, not `python -m`, which would put the repo root on sys.path
+# and let the top-level kernels/ folder shadow the `kernels` package that transformers imports.
 test: $(STAMP)
-	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q
 
 lint: $(STAMP)
-	$(PY) -m ruff check .
+	$(VENV)/bin/ruff check .

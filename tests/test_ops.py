@@ -1,0 +1,212 @@
+"""The public ops of hf_mhc.kernels against an independent float64 transcription of DESIGN §3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_mhc.kernels import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre, sinkhorn
+
+NORM_EPS = 1e-6
+HC_EPS = 1e-6
+ITERS = 20
+
+# Tolerances per stream dtype for forward outputs / gradients against the float64 reference.
+TOLERANCES = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
+}
+
+
+# --- float64 reference, written from the formula, independent of hf_mhc.mhc_reference ---------------------------
+
+
+def ref_sinkhorn(logits, iters, eps):
+    m = torch.exp(logits - logits.amax(-1, keepdim=True))
+    m = m / m.sum(-1, keepdim=True) + eps
+    m = m / (m.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(-1, keepdim=True) + eps)
+        m = m / (m.sum(-2, keepdim=True) + eps)
+    return m
+
+
+def ref_coeffs(x, fn, base, scale, iters=ITERS, eps=HC_EPS, norm_eps=NORM_EPS):
+    *lead, n, c = x.shape
+    flat = x.reshape(*lead, n * c)
+    flat_n = flat / torch.sqrt((flat * flat).mean(-1, keepdim=True) + norm_eps)
+    mix = torch.einsum("...k,jk->...j", flat_n, fn)
+    pre = torch.sigmoid(scale[0] * mix[..., :n] + base[:n]) + eps
+    post = 2 * torch.sigmoid(scale[1] * mix[..., n : 2 * n] + base[n : 2 * n])
+    logits = scale[2] * mix[..., 2 * n :].reshape(*lead, n, n) + base[2 * n :].reshape(n, n)
+    return pre, post, ref_sinkhorn(logits, iters, eps)
+
+
+def ref_pre(x, pre):
+    return torch.einsum("...i,...ic->...c", pre, x)
+
+
+def ref_post_res(x, y, post, comb):
+    return torch.einsum("...i,...c->...ic", post, y) + torch.einsum("...ji,...jc->...ic", comb, x)
+
+
+def ref_head(x, hc_fn, hc_base, hc_scale, eps=HC_EPS, norm_eps=NORM_EPS):
+    *lead, n, c = x.shape
+    flat = x.reshape(*lead, n * c)
+    flat_n = flat / torch.sqrt((flat * flat).mean(-1, keepdim=True) + norm_eps)
+    pre_h = torch.sigmoid(hc_scale * torch.einsum("...k,jk->...j", flat_n, hc_fn) + hc_base) + eps
+    return ref_pre(x, pre_h)
+
+
+# --- helpers --------------------------------------------------------------------------------------------------
+
+
+def random_hc_params(n, c, dtype=torch.float32):
+    fn = torch.randn((n + 2) * n, n * c, dtype=dtype) * 0.5
+    base = torch.randn((n + 2) * n, dtype=dtype)
+    scale = torch.rand(3, dtype=dtype) + 0.5
+    return fn, base, scale
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def as64(*tensors):
+    return [leaf(t.detach().double()) for t in tensors]
+
+
+def check_grads(ours_inputs, ours_out, ref_inputs, ref_out, tol):
+    """Backprop the same random upstream gradients through both graphs and compare every input gradient."""
+    outs = ours_out if isinstance(ours_out, tuple) else (ours_out,)
+    refs = ref_out if isinstance(ref_out, tuple) else (ref_out,)
+    upstream = [torch.randn(r.shape, dtype=torch.float64) for r in refs]
+    torch.autograd.backward([o.float() for o in outs], [g.to(torch.float32) for g in upstream])
+    torch.autograd.backward(list(refs), upstream)
+    for mine, ref in zip(ours_inputs, ref_inputs, strict=True):
+        assert mine.grad is not None and torch.isfinite(mine.grad).all()
+        torch.testing.assert_close(mine.grad.double(), ref.grad, **tol)
+
+
+SHAPES = [(1, 5, 1, 8), (2, 3, 2, 16), (1, 7, 3, 12), (2, 4, 4, 20), (1, 3, 8, 24)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_mhc_coeffs_forward_and_grad(shape):
+    b, t, n, c = shape
+    x = leaf(torch.randn(shape))
+    fn, base, scale = (leaf(p) for p in random_hc_params(n, c))
+    pre, post, comb = mhc_coeffs(x, fn, base, scale, sinkhorn_iters=ITERS, eps=HC_EPS, norm_eps=NORM_EPS)
+    assert pre.dtype == post.dtype == comb.dtype == torch.float32
+    assert pre.shape == (b, t, n) and post.shape == (b, t, n) and comb.shape == (b, t, n, n)
+    x64, fn64, base64, scale64 = as64(x, fn, base, scale)
+    refs = ref_coeffs(x64, fn64, base64, scale64)
+    for mine, ref in zip((pre, post, comb), refs, strict=True):
+        torch.testing.assert_close(mine.double(), ref, atol=1e-5, rtol=1e-5)
+    check_grads([x, fn, base, scale], (pre, post, comb), [x64, fn64, base64, scale64], refs, dict(atol=1e-4, rtol=1e-4))
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_mhc_pre_forward_and_grad(shape, dtype):
+    b, t, n, c = shape
+    x = leaf(torch.randn(shape).to(dtype))
+    pre = leaf(torch.rand(b, t, n))
+    out = mhc_pre(x, pre)
+    assert out.dtype == dtype and out.shape == (b, t, c)
+    x64, pre64 = as64(x, pre)
+    ref = ref_pre(x64, pre64)
+    torch.testing.assert_close(out.double(), ref, **TOLERANCES[dtype])
+    check_grads([x, pre], out, [x64, pre64], ref, TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_mhc_post_res_forward_and_grad(shape, dtype):
+    b, t, n, c = shape
+    x = leaf(torch.randn(shape).to(dtype))
+    y = leaf(torch.randn(b, t, c).to(dtype))
+    post = leaf(torch.rand(b, t, n) * 2)
+    comb = leaf(torch.rand(b, t, n, n))  # deliberately not symmetric: the transpose matters
+    out = mhc_post_res(x, y, post, comb)
+    assert out.dtype == dtype and out.shape == shape
+    x64, y64, post64, comb64 = as64(x, y, post, comb)
+    ref = ref_post_res(x64, y64, post64, comb64)
+    torch.testing.assert_close(out.double(), ref, **TOLERANCES[dtype])
+    check_grads([x, y, post, comb], out, [x64, y64, post64, comb64], ref, TOLERANCES[dtype])
+
+
+def test_mhc_post_res_applies_comb_transposed():
+    x = torch.tensor([[[[1.0], [10.0]]]])  # [1, 1, n=2, C=1]
+    comb = torch.tensor([[[[0.0, 1.0], [0.0, 0.0]]]])  # comb[0, 1] = 1: stream 0 flows into stream 1
+    out = mhc_post_res(x, torch.zeros(1, 1, 1), torch.zeros(1, 1, 2), comb)
+    assert out.flatten().tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_mhc_head_forward_and_grad(shape, dtype):
+    b, t, n, c = shape
+    x = leaf(torch.randn(shape).to(dtype))
+    hc_fn = leaf(torch.randn(n, n * c) * 0.5)
+    hc_base = leaf(torch.randn(n))
+    hc_scale = leaf(torch.rand(1) + 0.5)
+    out = mhc_head(x, hc_fn, hc_base, hc_scale, eps=HC_EPS, norm_eps=NORM_EPS)
+    assert out.dtype == dtype and out.shape == (b, t, c)
+    ins64 = as64(x, hc_fn, hc_base, hc_scale)
+    ref = ref_head(*ins64)
+    torch.testing.assert_close(out.double(), ref, **TOLERANCES[dtype])
+    tol = TOLERANCES[dtype] if dtype == torch.float32 else dict(atol=0.1, rtol=0.1)
+    check_grads([x, hc_fn, hc_base, hc_scale], out, ins64, ref, tol)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("iters", [1, 3, 20])
+def test_sinkhorn_matches_float64_autograd(n, iters):
+    logits = leaf(torch.randn(3, 4, n, n) * 3)
+    comb = sinkhorn(logits, iters, HC_EPS)
+    logits64 = leaf(logits.detach().double())
+    ref = ref_sinkhorn(logits64, iters, HC_EPS)
+    torch.testing.assert_close(comb.double(), ref, atol=1e-6, rtol=1e-5)
+    check_grads([logits], comb, [logits64], ref, dict(atol=1e-5, rtol=1e-4))
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 30.0, 1e4])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_sinkhorn_properties(n, magnitude):
+    logits = torch.randn(64, n, n) * magnitude
+    logits[0] = magnitude  # constant matrix
+    logits[1] = -magnitude
+    logits[2] = torch.eye(n) * magnitude  # peaked on the diagonal
+    comb = sinkhorn(logits, ITERS, HC_EPS)
+    assert torch.isfinite(comb).all()
+    assert (comb >= 0).all()
+    torch.testing.assert_close(comb.sum(-2), torch.ones(64, n), atol=1e-5, rtol=0)
+
+
+def test_sinkhorn_rows_converge_with_iterations():
+    logits = torch.randn(256, 4, 4) * 4
+    row_error = [(sinkhorn(logits, iters, HC_EPS).sum(-1) - 1).abs().max().item() for iters in (1, 5, 50)]
+    assert row_error[0] > row_error[1] > row_error[2]
+
+
+def test_backend_selection_errors_name_the_choices():
+    x = torch.randn(1, 2, 2, 4)
+    with pytest.raises(ValueError, match="available backends: torch"):
+        mhc_pre(x, torch.rand(1, 2, 2), backend="cuda-magic")
+    assert mhc_pre(x, torch.rand(1, 2, 2), backend="torch").shape == (1, 2, 4)
+
+
+def test_shape_errors_are_clear():
+    x = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"needs fn \[15, 12\]"):
+        mhc_coeffs(x, torch.zeros(15, 11), torch.zeros(15), torch.ones(3), sinkhorn_iters=2, eps=1e-6, norm_eps=1e-6)
+    with pytest.raises(ValueError, match="sinkhorn_iters >= 1"):
+        mhc_coeffs(x, torch.zeros(15, 12), torch.zeros(15), torch.ones(3), sinkhorn_iters=0, eps=1e-6, norm_eps=1e-6)
+    with pytest.raises(ValueError, match="needs pre of shape"):
+        mhc_pre(x, torch.rand(1, 2, 4))
+    with pytest.raises(ValueError, match="needs y of shape"):
+        mhc_post_res(x, torch.randn(1, 2, 5), torch.rand(1, 2, 3), torch.rand(1, 2, 3, 3))
+    with pytest.raises(ValueError, match="square"):
+        sinkhorn(torch.randn(2, 3), 5, 1e-6)
