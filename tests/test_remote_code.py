@@ -1,0 +1,46 @@
+"""A saved mHC folder loads through AutoModelForCausalLM on a machine where hf_mhc cannot be imported."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from conftest import VOCAB, tiny_backbone_config
+
+from hf_mhc import MHCConfig, MHCForCausalLM
+
+LOAD_WITHOUT_PLUGIN = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hf_mhc"] = None  # `import hf_mhc` now raises ImportError
+    import torch
+    from transformers import AutoModelForCausalLM
+    folder, ids_file, out_file = sys.argv[1:]
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    assert not type(model).__module__.startswith("hf_mhc"), type(model).__module__
+    with torch.no_grad():
+        torch.save(model(torch.load(ids_file)).logits, out_file)
+    print(type(model).__module__)
+    """
+)
+
+
+def test_saved_folder_loads_with_remote_code_without_the_plugin(tmp_path):
+    config = MHCConfig(backbone_config=tiny_backbone_config("qwen2"), hc_mult=3, hc_init="deepseek_v4")
+    model = MHCForCausalLM(config).eval()
+    folder = tmp_path / "checkpoint"
+    model.save_pretrained(folder)
+    ids = torch.randint(0, VOCAB, (2, 7))
+    torch.save(ids, tmp_path / "ids.pt")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_PLUGIN, str(folder), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "transformers_modules" in result.stdout
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(tmp_path / "out.pt"), model(ids).logits, atol=0, rtol=0)

@@ -1,0 +1,81 @@
+"""Upcycling residual causal LMs: the mHC model starts out computing the source's function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FAMILIES, STORIES260K, VOCAB, tiny_backbone_config
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+import hf_mhc
+from hf_mhc import MHCForCausalLM
+
+
+def source_model(family, tied):
+    return AutoModelForCausalLM.from_config(tiny_backbone_config(family, tie_word_embeddings=tied)).eval()
+
+
+@pytest.mark.parametrize("hc_mult", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_upcycled_logits_equal_the_source(family, tied, hc_mult):
+    source = source_model(family, tied)
+    mhc = hf_mhc.upcycle(source, hc_mult=hc_mult).eval()
+    assert isinstance(mhc, MHCForCausalLM) and mhc.config.hc_mult == hc_mult
+    assert (mhc.lm_head.weight is mhc.model.embed_tokens.weight) == tied
+    ids = torch.randint(0, VOCAB, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        expected = source(ids, attention_mask=mask).logits
+        got = mhc(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-4, rtol=0)
+
+
+def test_upcycle_copies_weights_not_references():
+    source = source_model("llama", tied=False)
+    mhc = hf_mhc.upcycle(source)
+    with torch.no_grad():
+        mhc.model.layers[0].self_attn.q_proj.weight.add_(1.0)
+    assert not torch.equal(mhc.model.layers[0].self_attn.q_proj.weight, source.model.layers[0].self_attn.q_proj.weight)
+
+
+def test_upcycle_keeps_dtype_and_hc_in_float32():
+    source = source_model("qwen3", tied=True).to(torch.bfloat16)
+    mhc = hf_mhc.upcycle(source, hc_mult=4)
+    assert mhc.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert mhc.model.layers[0].attn_hc.fn.dtype == torch.float32
+    assert mhc.model.hc_head.hc_base.dtype == torch.float32
+    ids = torch.randint(0, VOCAB, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(mhc(ids).logits.float(), source(ids).logits.float(), atol=0.1, rtol=0.05)
+
+
+def test_upcycle_rejects_unsupported_families():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="supported backbone families: llama, mistral, qwen2, qwen3"):
+        hf_mhc.upcycle(gpt2)
+    with pytest.raises(ValueError, match="function_preserving"):
+        hf_mhc.upcycle(source_model("llama", tied=False), hc_init="deepseek_v4")
+
+
+def test_upcycle_from_a_saved_folder(tmp_path):
+    source = source_model("mistral", tied=False)
+    source.save_pretrained(tmp_path)
+    mhc = hf_mhc.upcycle(tmp_path, hc_mult=2).eval()
+    ids = torch.randint(0, VOCAB, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(mhc(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not STORIES260K.is_dir(), reason="../shared/assets/stories260K is not present")
+def test_real_pretrained_llama_upcycles_exactly():
+    source = AutoModelForCausalLM.from_pretrained(STORIES260K).eval()
+    mhc = hf_mhc.upcycle(source, hc_mult=4).eval()
+    bos = torch.tensor([[source.config.bos_token_id]])
+    ids = torch.randint(3, source.config.vocab_size, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(mhc(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+    expected = source.generate(bos, max_new_tokens=32, do_sample=False)
+    assert torch.equal(mhc.generate(bos, max_new_tokens=32, do_sample=False), expected)
