@@ -29,9 +29,9 @@ from transformers.utils import can_return_tuple
 from .configuration_mhc import MHCConfig
 
 try:  # the plugin's dispatching ops (fused kernels where available)
-    from hf_mhc.kernels import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre
+    from hf_mhc.kernels import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre, sinkhorn
 except ImportError:  # a checkpoint loaded as remote code on a machine without hf_mhc
-    from .mhc_reference import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre
+    from .mhc_reference import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre, sinkhorn
 
 
 @dataclass(frozen=True)
@@ -76,12 +76,14 @@ def attention_layer_types(backbone_config) -> list[str]:
 class MHCHyperConnection(nn.Module):
     """The token-dependent maps of one sublayer: ``streams [B, T, n, C] -> pre, post [B, T, n], comb [B, T, n, n]``.
 
-    Parameters (float32): ``fn [(n+2)*n, n*C]``, ``base [(n+2)*n]``, ``scale [3]``.
+    Parameters (float32): ``fn [(n+2)*n, n*C]``, ``base [(n+2)*n]``, ``scale [3]``. ``sublayer_index`` counts the
+    HC sites from the embedding (attention of layer l is ``2l``, its FFN ``2l + 1``); the initialisation uses it.
     """
 
-    def __init__(self, config: MHCConfig):
+    def __init__(self, config: MHCConfig, sublayer_index: int):
         super().__init__()
         n, hidden = config.hc_mult, config.backbone_config.hidden_size
+        self.sublayer_index = sublayer_index
         self.hc_mult = n
         self.hc_sinkhorn_iters = config.hc_sinkhorn_iters
         self.hc_eps = config.hc_eps
@@ -136,8 +138,8 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         self.mlp = parts.mlp(backbone)
         self.input_layernorm = parts.norm(backbone.hidden_size, eps=backbone.rms_norm_eps)
         self.post_attention_layernorm = parts.norm(backbone.hidden_size, eps=backbone.rms_norm_eps)
-        self.attn_hc = MHCHyperConnection(config)
-        self.ffn_hc = MHCHyperConnection(config)
+        self.attn_hc = MHCHyperConnection(config, sublayer_index=2 * layer_idx)
+        self.ffn_hc = MHCHyperConnection(config, sublayer_index=2 * layer_idx + 1)
 
     def forward(
         self,
@@ -170,16 +172,28 @@ def _logit(p: float) -> float:
     return math.log(p / (1.0 - p))
 
 
-def function_preserving_hc_base(config: MHCConfig) -> torch.Tensor:
-    """``base [(n+2)*n]`` of DESIGN §4: ``pre = 1/n`` exactly, ``post`` biases ``±k·δ`` (mean 1), ``comb_b = c·I``."""
+def function_preserving_hc_base(config: MHCConfig, sublayer_index: int) -> torch.Tensor:
+    """``base [(n+2)*n]`` of the function-preserving initialisation (DESIGN §4), with ``fn = 0``.
+
+    ``pre = 1/n`` exactly and ``comb_b = c·I``. A symmetric ``comb`` has equal row and column sums ``s``, which the
+    ``hc_eps`` terms of Sinkhorn make ``1 - O(hc_eps)``, so each site scales the stream mean by ``s``. The ``post``
+    values of site ``k`` are ``s^(k+1) · 2σ(±j·δ)`` in pairs (``j = 1, 2, ...``; ``s^(k+1)`` alone for odd n): their
+    mean ``s^(k+1)`` scales the sublayer output like the residual, so the stream mean after site ``k`` is exactly
+    ``s^(k+1)`` times the residual network's hidden state. Pre-norm sublayers and the final norm cancel that
+    uniform scale, so the model reproduces its backbone to float32 rounding rather than to ``hc_eps · depth``.
+    Distinct ``j·δ`` keep every stream different (identical streams would get identical gradients forever).
+    """
     n, eps = config.hc_mult, config.hc_eps
-    pre_b = torch.full((n,), _logit(1.0 / n - eps), dtype=torch.float64)
-    post_b = torch.zeros(n, dtype=torch.float64)
+    comb_b = config.hc_init_comb_diag * torch.eye(n, dtype=torch.float64)
+    row_sum = sinkhorn(comb_b.float(), config.hc_sinkhorn_iters, eps).double().sum(-1).mean()
+    post_mean = row_sum ** (sublayer_index + 1)
+    half_post = torch.full((n,), 0.5, dtype=torch.float64)
     for pair in range(n // 2):
-        post_b[2 * pair] = (pair + 1) * config.hc_init_post_delta
-        post_b[2 * pair + 1] = -(pair + 1) * config.hc_init_post_delta
-    comb_b = config.hc_init_comb_diag * torch.eye(n, dtype=torch.float64).flatten()
-    return torch.cat([pre_b, post_b, comb_b]).float()
+        half_post[2 * pair] = torch.sigmoid(torch.tensor((pair + 1) * config.hc_init_post_delta, dtype=torch.float64))
+        half_post[2 * pair + 1] = 1.0 - half_post[2 * pair]
+    post_b = torch.logit(post_mean * half_post)
+    pre_b = torch.full((n,), _logit(1.0 / n - eps), dtype=torch.float64)
+    return torch.cat([pre_b, post_b, comb_b.flatten()]).float()
 
 
 AUTO_MAP = {
@@ -228,7 +242,7 @@ class MHCPreTrainedModel(PreTrainedModel):
         if isinstance(module, MHCHyperConnection):
             if config.hc_init == "function_preserving":
                 init.zeros_(module.fn)
-                init.copy_(module.base, function_preserving_hc_base(config))
+                init.copy_(module.base, function_preserving_hc_base(config, module.sublayer_index))
                 init.constant_(module.scale, config.hc_init_dynamic_scale)
             else:
                 init.normal_(module.fn, mean=0.0, std=std)

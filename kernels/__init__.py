@@ -1,5 +1,11 @@
 """mHC ops (imported as ``hf_mhc.kernels``): see :mod:`hf_mhc.kernels.functional`."""
 
-from .functional import BACKENDS, mhc_coeffs, mhc_head, mhc_post_res, mhc_pre, resolve_backend, sinkhorn
+if __name__ == "hf_mhc.kernels":
+    from .functional import BACKENDS, mhc_coeffs, mhc_head, mhc_post_res, mhc_pre, resolve_backend, sinkhorn
 
-__all__ = ["BACKENDS", "mhc_coeffs", "mhc_head", "mhc_post_res", "mhc_pre", "resolve_backend", "sinkhorn"]
+    __all__ = ["BACKENDS", "mhc_coeffs", "mhc_head", "mhc_post_res", "mhc_pre", "resolve_backend", "sinkhorn"]
+else:
+    # Imported as a top-level `kernels` because Python runs from the repository root (its folder is on sys.path).
+    # transformers probes for Hugging Face's `kernels` package at import time: stay inert (no version, no imports)
+    # so that the probe finds no usable package instead of importing hf_mhc while transformers is half-initialised.
+    __all__ = []

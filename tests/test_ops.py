@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_mhc.kernels import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre, sinkhorn
 
 NORM_EPS = 1e-6

@@ -79,3 +79,14 @@ def test_real_pretrained_llama_upcycles_exactly():
         torch.testing.assert_close(mhc(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
     expected = source.generate(bos, max_new_tokens=32, do_sample=False)
     assert torch.equal(mhc.generate(bos, max_new_tokens=32, do_sample=False), expected)
+
+
+@pytest.mark.parametrize("hc_mult", [2, 3, 4, 8])
+def test_function_preserving_init_gives_every_stream_its_own_post(hc_mult):
+    mhc = hf_mhc.upcycle(source_model("llama", tied=False), hc_mult=hc_mult)
+    base = mhc.model.layers[1].ffn_hc.base.detach()
+    post = 2 * torch.sigmoid(base[hc_mult : 2 * hc_mult])
+    assert len(set(post.tolist())) == hc_mult  # no two streams alike, or they would train identically
+    assert abs(post.mean().item() - 1.0) < 1e-4
+    pre = torch.sigmoid(base[:hc_mult]) + mhc.config.hc_eps
+    torch.testing.assert_close(pre, torch.full((hc_mult,), 1.0 / hc_mult), atol=1e-7, rtol=0)
