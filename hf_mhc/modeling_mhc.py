@@ -196,6 +196,28 @@ def function_preserving_hc_base(config: MHCConfig, sublayer_index: int) -> torch
     return torch.cat([pre_b, post_b, comb_b.flatten()]).float()
 
 
+def function_preserving_head_base(config: MHCConfig) -> torch.Tensor:
+    """``hc_base [n]`` making the head average the streams: ``pre_h = 1/n`` exactly (with ``hc_fn = 0``)."""
+    return torch.full((config.hc_mult,), _logit(1.0 / config.hc_mult - config.hc_eps), dtype=torch.float32)
+
+
+def function_preserving_hc_tensors(config: MHCConfig) -> dict[str, torch.Tensor]:
+    """Every HC tensor of a function-preserving :class:`MHCForCausalLM`, keyed by state-dict name (float32)."""
+    n, hidden = config.hc_mult, config.backbone_config.hidden_size
+    dynamic_scale = config.hc_init_dynamic_scale
+    tensors = {}
+    for layer in range(config.backbone_config.num_hidden_layers):
+        for offset, site in enumerate(("attn_hc", "ffn_hc")):
+            prefix = f"model.layers.{layer}.{site}"
+            tensors[f"{prefix}.fn"] = torch.zeros((n + 2) * n, n * hidden)
+            tensors[f"{prefix}.base"] = function_preserving_hc_base(config, 2 * layer + offset)
+            tensors[f"{prefix}.scale"] = torch.full((3,), dynamic_scale)
+    tensors["model.hc_head.hc_fn"] = torch.zeros(n, n * hidden)
+    tensors["model.hc_head.hc_base"] = function_preserving_head_base(config)
+    tensors["model.hc_head.hc_scale"] = torch.full((1,), dynamic_scale)
+    return tensors
+
+
 AUTO_MAP = {
     "AutoConfig": "configuration_mhc.MHCConfig",
     "AutoModel": "modeling_mhc.MHCModel",
@@ -251,7 +273,7 @@ class MHCPreTrainedModel(PreTrainedModel):
         elif isinstance(module, MHCHyperHead):
             if config.hc_init == "function_preserving":
                 init.zeros_(module.hc_fn)
-                init.constant_(module.hc_base, _logit(1.0 / config.hc_mult - config.hc_eps))
+                init.copy_(module.hc_base, function_preserving_head_base(config))
                 init.constant_(module.hc_scale, config.hc_init_dynamic_scale)
             else:
                 init.normal_(module.hc_fn, mean=0.0, std=std)

@@ -90,3 +90,14 @@ def test_function_preserving_init_gives_every_stream_its_own_post(hc_mult):
     assert abs(post.mean().item() - 1.0) < 1e-4
     pre = torch.sigmoid(base[:hc_mult]) + mhc.config.hc_eps
     torch.testing.assert_close(pre, torch.full((hc_mult,), 1.0 / hc_mult), atol=1e-7, rtol=0)
+
+
+def test_function_preserving_hc_tensors_match_the_model_init():
+    from hf_mhc.modeling_mhc import function_preserving_hc_tensors
+
+    config = hf_mhc.upcycle(source_model("qwen2", tied=True), hc_mult=3).config
+    state = MHCForCausalLM(config).state_dict()
+    tensors = function_preserving_hc_tensors(config)
+    assert set(tensors) == {name for name in state if hf_mhc.conversion.is_hc_parameter(name)}
+    for name, tensor in tensors.items():
+        assert torch.equal(state[name], tensor), name
