@@ -1,0 +1,205 @@
+"""FSDP2 sharding and pipeline-parallel stages of mHC models.
+
+The multi-process tests start two gloo ranks on loopback with ``torchrun`` (CPU only) and run the worker scripts in
+``tests/distributed_workers/``; each worker compares its rank's results with a one-process reference.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import FAMILIES, VOCAB, tiny_backbone_config
+
+from hf_mhc import MHCConfig, MHCForCausalLM, MHCModel
+from hf_mhc.distributed import apply_fsdp2, pipeline_layer_split, split_pipeline
+
+WORKERS = Path(__file__).resolve().parent / "distributed_workers"
+WORLD_SIZE = 2
+LAUNCH_TIMEOUT_S = 120
+
+needs_distributed = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def torchrun(worker: str, *args: str, cwd: Path) -> str:
+    """Run ``tests/distributed_workers/<worker>`` on two gloo ranks; return its output, fail with its tail."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={WORLD_SIZE}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(WORKERS / worker),
+        *args,
+    ]
+    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(
+        command,
+        cwd=cwd,  # not the repository root: its kernels/ folder would shadow Hugging Face's `kernels` package
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{worker} {' '.join(args)} failed:\n{output[-6000:]}"
+    return output
+
+
+def tiny_mhc(family: str = "llama", num_layers: int = 4, **backbone_overrides) -> MHCForCausalLM:
+    backbone = tiny_backbone_config(family, num_hidden_layers=num_layers, **backbone_overrides)
+    return MHCForCausalLM(MHCConfig(backbone_config=backbone, hc_mult=3, hc_init="deepseek_v4")).eval()
+
+
+def run_stages(stages, input_ids: torch.Tensor) -> torch.Tensor:
+    activations = input_ids
+    for stage in stages:
+        activations = stage(activations)
+    return activations
+
+
+# --- FSDP2 ---------------------------------------------------------------------------------------------------------
+
+
+@needs_distributed
+def test_fsdp2_matches_one_process_and_saves_a_full_checkpoint(tmp_path):
+    output = torchrun("fsdp_worker.py", "parity", str(tmp_path / "checkpoint"), cwd=tmp_path)
+    assert "checkpoint reloads" in output
+    assert (tmp_path / "checkpoint" / "model.safetensors").exists()
+
+
+@needs_distributed
+def test_fsdp2_shards_a_bf16_model_with_float32_hyper_connections(tmp_path):
+    output = torchrun("fsdp_worker.py", "bf16", str(tmp_path), cwd=tmp_path)
+    assert "HC kept float32" in output
+
+
+@needs_distributed
+def test_apply_fsdp2_rejects_a_model_without_mhc_layers():
+    with pytest.raises(ValueError, match="needs an mHC model"):
+        apply_fsdp2(torch.nn.Linear(4, 4))
+
+
+@needs_distributed
+def test_apply_fsdp2_without_a_process_group_says_to_initialise_one():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        apply_fsdp2(tiny_mhc(num_layers=1))
+
+
+# --- pipeline stages, in one process --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chained_stages_compute_the_model(family):
+    model = tiny_mhc(family, num_layers=3)
+    input_ids = torch.randint(3, VOCAB, (2, 10))  # longer than Mistral's sliding window of 6
+    with torch.no_grad():
+        expected = model(input_ids).logits
+        for num_stages in (1, 2, 3):
+            torch.testing.assert_close(run_stages(split_pipeline(model, num_stages), input_ids), expected)
+
+
+def test_stages_carry_the_streams_and_hold_only_their_parameters():
+    model = tiny_mhc(num_layers=5)
+    first, last = split_pipeline(model, 2)
+    assert [list(split) for split in pipeline_layer_split(5, 2)] == [[0, 1, 2], [3, 4]]
+    first_names, last_names = set(dict(first.named_parameters())), set(dict(last.named_parameters()))
+    assert "model.embed_tokens.weight" in first_names and "lm_head.weight" not in first_names
+    assert {"lm_head.weight", "model.norm.weight", "model.hc_head.hc_fn"} <= last_names
+    assert "model.embed_tokens.weight" not in last_names
+    assert {name.split(".")[2] for name in first_names if name.startswith("model.layers.")} == {"0", "1", "2"}
+    assert {name.split(".")[2] for name in last_names if name.startswith("model.layers.")} == {"3", "4"}
+    assert first_names.isdisjoint(last_names)
+    assert first_names | last_names == set(dict(model.named_parameters()))
+    assert first.model.layers["0"] is model.model.layers[0]  # shared, not copied
+
+    streams = first(torch.randint(3, VOCAB, (2, 7)))
+    assert streams.shape == (2, 7, 3, 32)
+    assert last(streams).shape == (2, 7, VOCAB)
+
+
+def test_stage_state_dicts_use_the_full_model_names():
+    model = tiny_mhc(num_layers=2)
+    stages = split_pipeline(model, 2)
+    merged = {**stages[0].state_dict(), **stages[1].state_dict()}
+    full = model.state_dict()
+    assert set(merged) == set(full)
+    for name, tensor in merged.items():
+        assert torch.equal(tensor, full[name]), name
+
+
+def test_stages_reject_the_wrong_input():
+    first, second = split_pipeline(tiny_mhc(num_layers=2), 2)
+    with pytest.raises(ValueError, match=r"input_ids \[B, T\]"):
+        first(torch.zeros(2, 7, 3, 32))
+    with pytest.raises(ValueError, match=r"streams \[B, T, n, C\]"):
+        second(torch.randint(3, VOCAB, (2, 7)))
+
+
+def test_more_stages_than_layers_is_a_one_line_error():
+    with pytest.raises(ValueError, match="exceeds the model's 2 decoder layers") as error:
+        split_pipeline(tiny_mhc(num_layers=2), 3)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="num_stages must be >= 1"):
+        split_pipeline(tiny_mhc(num_layers=2), 0)
+    with pytest.raises(TypeError, match="needs an MHCForCausalLM"):
+        split_pipeline(MHCModel(tiny_mhc(num_layers=2).config), 1)
+
+
+def test_tied_embeddings_raise_or_give_the_last_stage_its_own_lm_head():
+    model = tiny_mhc(num_layers=2, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match="untie_word_embeddings=True"):
+        split_pipeline(model, 2)
+    single = split_pipeline(model, 1)[0]
+    assert single.lm_head.weight is single.model.embed_tokens.weight  # one stage keeps the tie
+
+    first, last = split_pipeline(model, 2, untie_word_embeddings=True)
+    assert last.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(last.lm_head.weight, model.model.embed_tokens.weight)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the source model stays tied
+    input_ids = torch.randint(3, VOCAB, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(input_ids)), model(input_ids).logits)
+
+
+# --- pipeline schedules on two ranks --------------------------------------------------------------------------------
+
+
+def dualpipev_available() -> bool:
+    from torch.distributed.pipelining import schedules
+
+    return hasattr(schedules, "ScheduleDualPipeV")
+
+
+@needs_distributed
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        "gpipe",
+        "1f1b",
+        pytest.param(
+            "dualpipev",
+            marks=pytest.mark.skipif(
+                dist.is_available() and not dualpipev_available(), reason="this torch has no ScheduleDualPipeV"
+            ),
+        ),
+    ],
+)
+def test_pipeline_schedule_matches_one_process(schedule, tmp_path):
+    output = torchrun("pipeline_worker.py", schedule, cwd=tmp_path)
+    assert f"{schedule}: loss" in output and "parameters match" in output
