@@ -1,0 +1,641 @@
+"""Stability diagnostics of mHC models: the mHC paper's gain measures, Sinkhorn residuals and stream collapse.
+
+Every HC site (the attention and the FFN sublayer of each layer) mixes the ``n`` residual streams with
+``X' = comb^T X`` (plus the sublayer output). Per token, the residual path through the network is the product of
+those mixing maps; the paper measures it by its *forward gain* (max absolute row sum, how much a signal can grow
+on the way up) and *backward gain* (max absolute column sum, how much a gradient can grow on the way down). For
+doubly stochastic ``comb`` both are 1 however deep the network; unconstrained hyper-connections reach thousands.
+
+:func:`stability_report` measures, per site and for the composite over depth, those gains (max and mean over
+tokens), how far ``comb``'s row and column sums are from 1, how alike the streams are (mean pairwise cosine
+similarity, where 1 means the streams have collapsed into one), and the range of ``pre`` / ``post``. The maps are
+captured with forward hooks on the HC modules, so any mHC model (also PEFT-wrapped or loaded as remote code) works.
+:class:`MHCStabilityCallback` logs the report through ``Trainer.log`` every N steps; :func:`inspect_main` is the
+``hf-mhc inspect`` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+SUBLAYER_NAMES: tuple[str, ...] = ("attn", "ffn")
+HC_SITE_CLASS = "MHCHyperConnection"
+HC_HEAD_CLASS = "MHCHyperHead"
+SCALAR_PREFIX = "mhc/"
+
+# Per-site scalars of the report, in table order.
+SITE_SCALARS: tuple[str, ...] = (
+    "forward_gain_max",
+    "forward_gain_mean",
+    "backward_gain_max",
+    "backward_gain_mean",
+    "cumulative_forward_gain_max",
+    "cumulative_backward_gain_max",
+    "comb_row_sum_max_deviation",
+    "comb_col_sum_max_deviation",
+    "stream_cosine_mean",
+    "stream_cosine_max",
+    "pre_mean",
+    "pre_min",
+    "pre_max",
+    "post_mean",
+    "post_min",
+    "post_max",
+)
+
+
+@dataclass
+class HCSiteMaps:
+    """What one HC site computed in a forward pass (float32, detached).
+
+    ``pre``, ``post``: ``[B, T, n]``; ``comb``: ``[B, T, n, n]`` (applied as ``X' = comb^T X``);
+    ``stream_cosine``: ``[B, T]`` mean pairwise cosine similarity of the streams entering the site (``None`` for n = 1).
+    """
+
+    pre: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+    stream_cosine: torch.Tensor | None
+
+
+@dataclass
+class HCCapture:
+    """The maps of every HC site, keyed by ``sublayer_index`` (``2 * layer`` attention, ``2 * layer + 1`` FFN), and the
+    stream similarity entering the final read-out (``[B, T]``, ``None`` for n = 1 or before a forward pass)."""
+
+    sites: dict[int, HCSiteMaps]
+    final_stream_cosine: torch.Tensor | None = None
+
+
+def mean_pairwise_stream_cosine(streams: torch.Tensor) -> torch.Tensor | None:
+    """Mean cosine similarity over the ``n (n - 1) / 2`` pairs of streams: ``[..., n, C] -> [...]`` (float32).
+
+    1 means the streams have collapsed into one direction; ``None`` for a single stream (no pairs).
+    """
+    n = streams.shape[-2]
+    if n < 2:
+        return None
+    unit = nn.functional.normalize(streams.detach().float(), dim=-1)
+    gram = unit @ unit.transpose(-1, -2)
+    off_diagonal_sum = gram.sum(dim=(-1, -2)) - gram.diagonal(dim1=-2, dim2=-1).sum(-1)
+    return off_diagonal_sum / (n * (n - 1))
+
+
+def _modules_of_class(model: nn.Module, class_name: str) -> list[nn.Module]:
+    # Matched by class name so that the classes of a checkpoint loaded as remote code count too.
+    return [module for module in model.modules() if type(module).__name__ == class_name]
+
+
+@contextmanager
+def capture_hc_maps(model: nn.Module) -> Iterator[HCCapture]:
+    """Record ``pre``, ``post``, ``comb`` and the stream similarity of every HC site during forward passes.
+
+    Forward hooks on the model's ``MHCHyperConnection`` / ``MHCHyperHead`` modules, removed on exit. A site that runs
+    several times (e.g. during ``generate``) keeps its last call.
+
+    Example::
+
+        with capture_hc_maps(model) as capture:
+            model(input_ids)
+        comb_of_layer_0_ffn = capture.sites[1].comb  # [B, T, n, n]
+    """
+    sites = _modules_of_class(model, HC_SITE_CLASS)
+    if not sites:
+        raise ValueError(f"{type(model).__name__} has no {HC_SITE_CLASS} modules: not an mHC model.")
+    capture = HCCapture(sites={})
+
+    def record_site(module: nn.Module, args: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        pre, post, comb = output
+        capture.sites[module.sublayer_index] = HCSiteMaps(
+            pre=pre.detach().float(),
+            post=post.detach().float(),
+            comb=comb.detach().float(),
+            stream_cosine=mean_pairwise_stream_cosine(args[0]),
+        )
+
+    def record_head(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        capture.final_stream_cosine = mean_pairwise_stream_cosine(args[0])
+
+    handles = [module.register_forward_hook(record_site) for module in sites]
+    handles += [module.register_forward_hook(record_head) for module in _modules_of_class(model, HC_HEAD_CLASS)]
+    try:
+        yield capture
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _token_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    if attention_mask is None:
+        return torch.ones(input_ids.shape, dtype=torch.bool)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}."
+        )
+    mask = attention_mask.bool().cpu()
+    if not mask.any():
+        raise ValueError("attention_mask masks every token: nothing to measure.")
+    return mask
+
+
+def _gains(applied: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token forward gain (max absolute row sum) and backward gain (max absolute column sum) of ``[N, n, n]``."""
+    magnitude = applied.abs()
+    return magnitude.sum(-1).amax(-1), magnitude.sum(-2).amax(-1)
+
+
+def _min_mean_max(values: torch.Tensor) -> tuple[float, float, float]:
+    return values.min().item(), values.double().mean().item(), values.max().item()
+
+
+def _site_name(sublayer_index: int) -> tuple[int, str]:
+    return sublayer_index // 2, SUBLAYER_NAMES[sublayer_index % 2]
+
+
+@torch.no_grad()
+def stability_report(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> dict[str, Any]:
+    """Run ``model`` on ``input_ids`` and measure the stability of its mHC residual mixing.
+
+    Args:
+        model: an mHC model (``MHCForCausalLM``, ``MHCModel``, a PEFT model around one, ...). Run in eval mode
+            without gradients; its training mode is restored afterwards.
+        input_ids: ``[B, T]`` (or ``[T]``) token ids.
+        attention_mask: ``[B, T]``, optional; statistics cover only the tokens it keeps.
+
+    Returns:
+        A dict with
+
+        - ``"hc_mult"`` (n), ``"num_layers"``, ``"num_tokens"`` (tokens measured);
+        - ``"sites"``: one dict per HC site in depth order, with ``"layer"``, ``"sublayer"`` (``"attn"`` / ``"ffn"``),
+          the scalars of :data:`SITE_SCALARS` and, for plots, ``"comb_token_mean"`` (``n x n`` nested list),
+          ``"pre_stream_mean"`` / ``"post_stream_mean"`` (``n`` lists). Gains are those of the map as applied,
+          ``M = comb^T`` (per token; ``_max`` / ``_mean`` over tokens); ``cumulative_*`` are the gains of the product
+          ``M_s ... M_1 M_0`` of the maps from the embedding through this site; ``comb_*_sum_max_deviation`` is the
+          largest ``|sum - 1|`` over tokens of ``comb``'s rows / columns; ``stream_cosine_*`` is the mean pairwise
+          cosine similarity of the streams entering the site (mean / max over tokens; ``None`` for n = 1);
+        - ``"composite"``: ``forward_gain_max``, ``forward_gain_mean``, ``backward_gain_max``, ``backward_gain_mean``
+          of the product over the whole depth (float64);
+        - ``"summary"``: flat scalars over all sites (composite gains, the largest site gains and deviations, stream
+          similarity, the ``pre`` / ``post`` range), the keys :func:`report_scalars` logs.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError("input_ids must be an integer torch.Tensor of token ids, shape [B, T] or [T].")
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+        attention_mask = attention_mask.unsqueeze(0) if attention_mask is not None else None
+    if input_ids.dim() != 2 or input_ids.numel() == 0:
+        raise ValueError(f"input_ids must have shape [B, T] with at least one token, got {tuple(input_ids.shape)}.")
+    token_mask = _token_mask(input_ids, attention_mask)
+
+    was_training = model.training
+    model.eval()
+    device = _model_device(model)
+    try:
+        with capture_hc_maps(model) as capture:
+            model(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device) if attention_mask is not None else None,
+                use_cache=False,
+            )
+    finally:
+        model.train(was_training)
+
+    expected_sites = {module.sublayer_index for module in _modules_of_class(model, HC_SITE_CLASS)}
+    if set(capture.sites) != expected_sites or expected_sites != set(range(len(expected_sites))):
+        raise RuntimeError(
+            f"HC sites {sorted(capture.sites)} ran in the forward pass; expected 0 to {len(expected_sites) - 1}."
+        )
+    num_sites = len(expected_sites)
+    n = capture.sites[0].comb.shape[-1]
+
+    sites: list[dict[str, Any]] = []
+    cumulative = torch.eye(n, dtype=torch.float64).expand(int(token_mask.sum()), n, n)
+    for index in range(num_sites):
+        maps = capture.sites[index]
+        comb = maps.comb.cpu()[token_mask]  # [N, n, n]
+        pre, post = maps.pre.cpu()[token_mask], maps.post.cpu()[token_mask]  # [N, n]
+        applied = comb.double().transpose(-1, -2)
+        cumulative = applied @ cumulative
+        forward, backward = _gains(applied)
+        cumulative_forward, cumulative_backward = _gains(cumulative)
+        layer, sublayer = _site_name(index)
+        site: dict[str, Any] = {
+            "layer": layer,
+            "sublayer": sublayer,
+            "forward_gain_max": forward.max().item(),
+            "forward_gain_mean": forward.mean().item(),
+            "backward_gain_max": backward.max().item(),
+            "backward_gain_mean": backward.mean().item(),
+            "cumulative_forward_gain_max": cumulative_forward.max().item(),
+            "cumulative_backward_gain_max": cumulative_backward.max().item(),
+            "comb_row_sum_max_deviation": (comb.double().sum(-1) - 1).abs().max().item(),
+            "comb_col_sum_max_deviation": (comb.double().sum(-2) - 1).abs().max().item(),
+            "stream_cosine_mean": None,
+            "stream_cosine_max": None,
+        }
+        if maps.stream_cosine is not None:
+            cosine = maps.stream_cosine.cpu()[token_mask]
+            site["stream_cosine_mean"] = cosine.double().mean().item()
+            site["stream_cosine_max"] = cosine.max().item()
+        site["pre_min"], site["pre_mean"], site["pre_max"] = _min_mean_max(pre)
+        site["post_min"], site["post_mean"], site["post_max"] = _min_mean_max(post)
+        site["comb_token_mean"] = comb.double().mean(0).tolist()
+        site["pre_stream_mean"] = pre.double().mean(0).tolist()
+        site["post_stream_mean"] = post.double().mean(0).tolist()
+        sites.append(site)
+
+    composite_forward, composite_backward = _gains(cumulative)
+    composite = {
+        "forward_gain_max": composite_forward.max().item(),
+        "forward_gain_mean": composite_forward.mean().item(),
+        "backward_gain_max": composite_backward.max().item(),
+        "backward_gain_mean": composite_backward.mean().item(),
+    }
+    final_cosine = None
+    if capture.final_stream_cosine is not None:
+        final_cosine = capture.final_stream_cosine.cpu()[token_mask].double().mean().item()
+    return {
+        "hc_mult": n,
+        "num_layers": (num_sites + 1) // 2,
+        "num_tokens": int(token_mask.sum()),
+        "sites": sites,
+        "composite": composite,
+        "summary": _summary(sites, composite, final_cosine),
+    }
+
+
+def _summary(sites: list[dict[str, Any]], composite: dict[str, float], final_cosine: float | None) -> dict[str, float]:
+    summary = {
+        "composite_forward_gain": composite["forward_gain_max"],
+        "composite_forward_gain_mean": composite["forward_gain_mean"],
+        "composite_backward_gain": composite["backward_gain_max"],
+        "composite_backward_gain_mean": composite["backward_gain_mean"],
+        "max_site_forward_gain": max(site["forward_gain_max"] for site in sites),
+        "max_site_backward_gain": max(site["backward_gain_max"] for site in sites),
+        "max_comb_row_sum_deviation": max(site["comb_row_sum_max_deviation"] for site in sites),
+        "max_comb_col_sum_deviation": max(site["comb_col_sum_max_deviation"] for site in sites),
+        "pre_min": min(site["pre_min"] for site in sites),
+        "pre_max": max(site["pre_max"] for site in sites),
+        "post_min": min(site["post_min"] for site in sites),
+        "post_max": max(site["post_max"] for site in sites),
+    }
+    if sites[0]["stream_cosine_mean"] is not None:
+        summary["stream_cosine_mean"] = sum(site["stream_cosine_mean"] for site in sites) / len(sites)
+        summary["stream_cosine_max"] = max(site["stream_cosine_max"] for site in sites)
+    if final_cosine is not None:
+        summary["final_stream_cosine_mean"] = final_cosine
+    return summary
+
+
+def report_scalars(report: dict[str, Any], per_site: bool = False, prefix: str = SCALAR_PREFIX) -> dict[str, float]:
+    """Flat ``{name: float}`` of a :func:`stability_report`, for ``Trainer.log`` / TensorBoard / W&B.
+
+    Always the summary (``mhc/composite_forward_gain``, ``mhc/max_comb_row_sum_deviation``, ...); with ``per_site``
+    also every site's scalars as ``mhc/layer_{i}/{attn|ffn}/{scalar}``.
+    """
+    scalars = {f"{prefix}{name}": float(value) for name, value in report["summary"].items()}
+    if per_site:
+        for site in report["sites"]:
+            for name in SITE_SCALARS:
+                if site[name] is not None:
+                    scalars[f"{prefix}layer_{site['layer']}/{site['sublayer']}/{name}"] = float(site[name])
+    return scalars
+
+
+def _format_value(value: float | None, width: int, digits: int) -> str:
+    if value is None:
+        return "-".rjust(width)
+    text = f"{value:.{digits}f}"
+    if value != 0 and (abs(value) < 10 ** -(digits - 1) or len(text) > width - 1):
+        text = f"{value:.2e}"
+    return text.rjust(width)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """A :func:`stability_report` as a fixed-width text table: one row per HC site, then the composite."""
+    gain_columns = (
+        ("fwd max", "forward_gain_max"),
+        ("fwd mean", "forward_gain_mean"),
+        ("bwd max", "backward_gain_max"),
+        ("bwd mean", "backward_gain_mean"),
+        ("cum fwd", "cumulative_forward_gain_max"),
+        ("cum bwd", "cumulative_backward_gain_max"),
+    )
+    other_columns = (
+        ("|row-1|", "comb_row_sum_max_deviation"),
+        ("|col-1|", "comb_col_sum_max_deviation"),
+        ("cos mean", "stream_cosine_mean"),
+        ("cos max", "stream_cosine_max"),
+        ("pre min", "pre_min"),
+        ("pre mean", "pre_mean"),
+        ("pre max", "pre_max"),
+        ("post min", "post_min"),
+        ("post mean", "post_mean"),
+        ("post max", "post_max"),
+    )
+    columns = [(title, key, 6) for title, key in gain_columns] + [(title, key, 4) for title, key in other_columns]
+    width = 10
+    lines = [
+        f"mHC stability report: n = {report['hc_mult']} streams, {report['num_layers']} layers, "
+        f"{report['num_tokens']} tokens",
+        "gains of the residual mixing X' = comb^T X per token (fwd: max |row sum|, bwd: max |column sum|; "
+        "max / mean over tokens); cum: product from the embedding through the site; |row-1|, |col-1|: largest "
+        "deviation of comb's row / column sums from 1; cos: mean pairwise cosine similarity of the streams entering "
+        "the site (1 = collapsed)",
+        "site".ljust(14) + "".join(title.rjust(width) for title, _, _ in columns),
+    ]
+    for site in report["sites"]:
+        label = f"layer {site['layer']} {site['sublayer']}".ljust(14)
+        lines.append(label + "".join(_format_value(site[key], width, digits) for _, key, digits in columns))
+    composite = report["composite"]
+    lines.append(
+        f"composite over depth: forward gain max {composite['forward_gain_max']:.6f} "
+        f"mean {composite['forward_gain_mean']:.6f}; backward gain max {composite['backward_gain_max']:.6f} "
+        f"mean {composite['backward_gain_mean']:.6f}"
+    )
+    final_cosine = report["summary"].get("final_stream_cosine_mean")
+    if final_cosine is not None:
+        lines.append(f"streams entering the read-out: mean pairwise cosine similarity {final_cosine:.4f}")
+    return "\n".join(lines)
+
+
+def plot_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """Write PNG plots of a :func:`stability_report` to ``out_dir`` (created) and return their paths.
+
+    ``overview.png``: gains (per site and cumulative), Sinkhorn deviations, stream similarity and the ``pre`` /
+    ``post`` ranges over depth. ``layer_{i}.png``, one per layer: the token-mean ``comb`` of its attention and FFN
+    sites as heat maps and the per-stream mean ``pre`` / ``post``. Needs ``matplotlib`` (ImportError otherwise).
+    """
+    from matplotlib.figure import Figure
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sites = report["sites"]
+    positions = list(range(len(sites)))
+    labels = [f"{site['layer']}{site['sublayer'][0]}" for site in sites]
+
+    figure = Figure(figsize=(12, 8))
+    axes = figure.subplots(2, 2)
+    figure.subplots_adjust(left=0.08, right=0.98, top=0.91, bottom=0.08, hspace=0.4, wspace=0.3)
+    gains = axes[0, 0]
+    for key, label in (
+        ("forward_gain_max", "site forward"),
+        ("backward_gain_max", "site backward"),
+        ("cumulative_forward_gain_max", "cumulative forward"),
+        ("cumulative_backward_gain_max", "cumulative backward"),
+    ):
+        gains.plot(positions, [site[key] for site in sites], marker="o", label=label)
+    gains.ticklabel_format(axis="y", useOffset=False)
+    gains.set_title("gain (max over tokens)")
+    deviations = axes[0, 1]
+    for key, label in (("comb_row_sum_max_deviation", "rows"), ("comb_col_sum_max_deviation", "columns")):
+        deviations.plot(positions, [max(site[key], 1e-12) for site in sites], marker="o", label=label)
+    deviations.set_yscale("log")
+    deviations.set_title("comb: largest |sum - 1|")
+    cosine = axes[1, 0]
+    if sites[0]["stream_cosine_mean"] is not None:
+        cosine.plot(positions, [site["stream_cosine_mean"] for site in sites], marker="o", label="mean")
+        cosine.plot(positions, [site["stream_cosine_max"] for site in sites], marker="o", label="max")
+    cosine.set_title("stream similarity entering the site (mean pairwise cosine)")
+    maps = axes[1, 1]
+    for name in ("pre", "post"):
+        means = [site[f"{name}_mean"] for site in sites]
+        maps.plot(positions, means, marker="o", label=f"{name} mean")
+        maps.fill_between(positions, [site[f"{name}_min"] for site in sites], [site[f"{name}_max"] for site in sites],
+                          alpha=0.2, label=f"{name} min-max")
+    maps.set_title("pre / post")
+    for axis in axes.flat:
+        axis.set_xticks(positions, labels, fontsize=7)
+        axis.set_xlabel("HC site (layer, a = attention, f = FFN)")
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=8)
+    figure.suptitle(f"mHC stability, n = {report['hc_mult']}, {report['num_tokens']} tokens")
+    written = [out_dir / "overview.png"]
+    figure.savefig(written[0], dpi=100)
+
+    n = report["hc_mult"]
+    streams = list(range(n))
+    for layer in range(report["num_layers"]):
+        layer_sites = [site for site in sites if site["layer"] == layer]
+        figure = Figure(figsize=(4 * (len(layer_sites) + 1), 3.6))
+        axes = figure.subplots(1, len(layer_sites) + 1)
+        figure.subplots_adjust(left=0.06, right=0.98, top=0.82, bottom=0.17, wspace=0.45)
+        for axis, site in zip(axes[:-1], layer_sites, strict=True):
+            image = axis.imshow(site["comb_token_mean"], vmin=0.0, vmax=1.0, cmap="viridis")
+            axis.set_title(f"{site['sublayer']} comb (token mean)")
+            axis.set_xlabel("to stream i (X'_i = sum_j comb_ji X_j)")
+            axis.set_ylabel("from stream j")
+            axis.set_xticks(streams)
+            axis.set_yticks(streams)
+            figure.colorbar(image, ax=axis, shrink=0.8)
+        bars = axes[-1]
+        bar_width = 0.8 / (2 * len(layer_sites))
+        for offset, (site, name) in enumerate(itertools.product(layer_sites, ("pre", "post"))):
+            bars.bar([s + (offset - len(layer_sites) + 0.5) * bar_width for s in streams], site[f"{name}_stream_mean"],
+                     width=bar_width, label=f"{site['sublayer']} {name}")
+        bars.set_xticks(streams)
+        bars.set_xlabel("stream")
+        bars.set_title("pre / post (token mean)")
+        bars.set_ylim(0, 1.4 * max(max(site["post_stream_mean"] + site["pre_stream_mean"]) for site in layer_sites))
+        bars.legend(fontsize=7, loc="upper center", ncols=2)
+        figure.suptitle(f"layer {layer}")
+        path = out_dir / f"layer_{layer}.png"
+        figure.savefig(path, dpi=100)
+        written.append(path)
+    return written
+
+
+class MHCStabilityCallback(TrainerCallback):
+    """Log :func:`stability_report` scalars through ``Trainer.log`` at the start of training and every N steps.
+
+    The scalars (``mhc/composite_forward_gain``, ``mhc/max_comb_row_sum_deviation``, ... and with ``per_site`` also
+    ``mhc/layer_{i}/{attn|ffn}/...``) reach every ``report_to`` integration (TensorBoard, W&B, ...) and
+    ``trainer.state.log_history``. The report runs on every process (so sharded FSDP models work) on a fixed batch:
+    ``input_ids`` / ``attention_mask`` when given, else the first ``num_samples`` examples of the trainer's training
+    set, collated by its data collator.
+
+    Example::
+
+        trainer = Trainer(model=model, args=args, train_dataset=train_set)
+        trainer.add_callback(MHCStabilityCallback(every_n_steps=50, trainer=trainer))
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        trainer: Trainer,
+        num_samples: int = 4,
+        per_site: bool = False,
+    ):
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be an integer >= 1, got {every_n_steps!r}.")
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples!r}.")
+        if attention_mask is not None and input_ids is None:
+            raise ValueError("attention_mask given without input_ids.")
+        if not isinstance(trainer, Trainer):
+            raise TypeError(f"trainer must be a transformers Trainer, got {type(trainer).__name__}.")
+        self.every_n_steps = every_n_steps
+        self.input_ids = input_ids
+        self.attention_mask = attention_mask
+        self.trainer = trainer
+        self.num_samples = num_samples
+        self.per_site = per_site
+        self.last_scalars: dict[str, float] = {}
+
+    def _sample_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        dataset = self.trainer.train_dataset
+        if dataset is None:
+            raise ValueError("MHCStabilityCallback needs input_ids or a Trainer with a train_dataset.")
+        examples = [
+            {key: example[key] for key in ("input_ids", "attention_mask") if key in example}
+            for example in itertools.islice(iter(dataset), self.num_samples)
+        ]
+        if not examples or "input_ids" not in examples[0]:
+            raise ValueError("MHCStabilityCallback: the training set has no 'input_ids' column; pass input_ids.")
+        batch = self.trainer.data_collator(examples)
+        return torch.as_tensor(batch["input_ids"]), batch.get("attention_mask")
+
+    def _log_report(self, state: TrainerState, control: TrainerControl, model: nn.Module) -> None:
+        if self.input_ids is None:
+            self.input_ids, self.attention_mask = self._sample_batch()
+        report = stability_report(model, self.input_ids, self.attention_mask)
+        self.last_scalars = report_scalars(report, per_site=self.per_site)
+        pending_log = control.should_log  # Trainer.log clears it; the trainer's own log of this step must still run
+        self.trainer.log(dict(self.last_scalars))
+        control.should_log = pending_log
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model=None, **kwargs
+    ) -> TrainerControl:
+        self._log_report(state, control, model)
+        return control
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model=None, **kwargs
+    ) -> TrainerControl:
+        if state.global_step % self.every_n_steps == 0:
+            self._log_report(state, control, model)
+        return control
+
+
+def _load_for_inspection(checkpoint: str, device: str, dtype: str) -> tuple[nn.Module, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    import hf_mhc  # noqa: F401  (registers model_type "mhc" with the Auto classes)
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    if config.model_type != "mhc":
+        raise ValueError(
+            f"{checkpoint} is a {config.model_type!r} model, not an mHC one: upcycle it first (hf_mhc.upcycle)."
+        )
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype).to(device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    except (OSError, ValueError):
+        tokenizer = None
+    return model, tokenizer
+
+
+DEFAULT_INSPECT_TEXT = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
+    "of a wife. However little known the feelings or views of such a man may be on his first entering a "
+    "neighbourhood, this truth is so well fixed in the minds of the surrounding families."
+)
+
+
+def inspect_main(argv: list[str] | None = None) -> int:
+    """``hf-mhc inspect CHECKPOINT [--text TEXT] [--plot DIR] [--json FILE]``: print an mHC checkpoint's stability.
+
+    Loads the checkpoint, runs :func:`stability_report` on the text (tokenised with the checkpoint's tokenizer;
+    without one, 64 random token ids with seed 0), prints the table of :func:`format_report` and optionally writes
+    the report as JSON and PNG plots (:func:`plot_report`, needs matplotlib). Returns the exit status: 0 on success,
+    1 when the checkpoint or input cannot be used (a one-line ``error:`` message on stderr).
+    """
+    parser = argparse.ArgumentParser(
+        prog="hf-mhc inspect",
+        description="Stability diagnostics of an mHC checkpoint: gains of the residual mixing per layer and over "
+        "depth, Sinkhorn deviations, stream collapse, pre/post ranges.",
+    )
+    parser.add_argument("checkpoint", help="mHC model folder or Hub id")
+    parser.add_argument("--text", default=None, help="text to run the model on (default: a fixed English passage)")
+    parser.add_argument("--plot", metavar="DIR", default=None, help="write overview.png and layer_{i}.png to DIR")
+    parser.add_argument("--json", metavar="FILE", default=None, help="write the full report as JSON to FILE")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    parser.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="dtype of the backbone weights (HC weights stay float32; default float32)")
+    args = parser.parse_args(argv)
+
+    def fail(message: str) -> int:
+        print(f"error: {message}", file=sys.stderr)
+        return 1
+
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return fail("--plot needs matplotlib: pip install matplotlib")
+    try:
+        model, tokenizer = _load_for_inspection(args.checkpoint, args.device, args.dtype)
+    except (OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return fail(f"cannot load {args.checkpoint}: {first_line}")
+
+    if tokenizer is not None:
+        input_ids = tokenizer(args.text or DEFAULT_INSPECT_TEXT, return_tensors="pt")["input_ids"]
+        if input_ids.numel() == 0:
+            return fail("--text is empty after tokenisation.")
+    elif args.text is not None:
+        return fail(f"{args.checkpoint} has no tokenizer to encode --text.")
+    else:
+        print(f"{args.checkpoint} has no tokenizer: measuring on 64 random token ids (seed 0)")
+        vocab_size = model.config.get_text_config().vocab_size
+        input_ids = torch.randint(0, vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+
+    report = stability_report(model, input_ids)
+    print(format_report(report))
+    if args.json is not None:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2), encoding="utf-8")
+        print(f"report written to {args.json}")
+    if args.plot is not None:
+        paths = plot_report(report, args.plot)
+        print(f"{len(paths)} plots written to {args.plot}")
+    return 0
+
+
+__all__ = [
+    "SITE_SCALARS",
+    "HCCapture",
+    "HCSiteMaps",
+    "MHCStabilityCallback",
+    "capture_hc_maps",
+    "format_report",
+    "inspect_main",
+    "mean_pairwise_stream_cosine",
+    "plot_report",
+    "report_scalars",
+    "stability_report",
+]

@@ -1,0 +1,275 @@
+"""Stability diagnostics: gains against float64 references, Sinkhorn properties, the Trainer callback, the CLI."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import STORIES260K, VOCAB, tiny_backbone_config
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+from hf_mhc import MHCConfig, MHCForCausalLM
+from hf_mhc.diagnostics import (
+    SITE_SCALARS,
+    MHCStabilityCallback,
+    capture_hc_maps,
+    format_report,
+    inspect_main,
+    report_scalars,
+    stability_report,
+)
+
+
+def mhc_model(hc_mult=4, hc_init="function_preserving", **hc_options):
+    config = MHCConfig(
+        backbone_config=tiny_backbone_config("llama", num_hidden_layers=3), hc_mult=hc_mult, hc_init=hc_init,
+        **hc_options,
+    )
+    return MHCForCausalLM(config).eval()
+
+
+def randomize_hc(model, fn_std=0.3, base_std=1.0):
+    """Strongly token-dependent maps: random fn and base, unit scales."""
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "MHCHyperConnection":
+                module.fn.normal_(0.0, fn_std)
+                module.base.normal_(0.0, base_std)
+                module.scale.fill_(1.0)
+    return model
+
+
+def reference_comb(streams, hc):
+    """float64 ``comb [..., n, n]`` of one HC site from the streams entering it, written out from DESIGN §3."""
+    n = streams.shape[-2]
+    flat = streams.flatten(-2).double()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + hc.norm_eps)
+    comb_w = (flat @ hc.fn.double().T)[..., 2 * n:].unflatten(-1, (n, n))
+    comb = torch.softmax(comb_w * hc.scale.double()[2] + hc.base.double()[2 * n:].view(n, n), dim=-1) + hc.hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc.hc_eps)
+    for _ in range(hc.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc.hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc.hc_eps)
+    return comb
+
+
+def site_inputs(model, input_ids, attention_mask):
+    """The streams entering every HC site, in depth order, captured by this test's own forward pre-hooks."""
+    entering = []
+    sites = [module for layer in model.model.layers for module in (layer.attn_hc, layer.ffn_hc)]
+    handles = [site.register_forward_pre_hook(lambda module, args: entering.append(args[0].detach())) for site in sites]
+    with torch.no_grad():
+        model(input_ids=input_ids, attention_mask=attention_mask)
+    for handle in handles:
+        handle.remove()
+    return sites, entering
+
+
+def test_function_preserving_init_has_unit_gains_and_identical_streams_at_the_embedding():
+    model = mhc_model(hc_mult=4)
+    eps = model.config.hc_eps
+    report = stability_report(model, torch.randint(3, VOCAB, (2, 11)))
+    assert [(site["layer"], site["sublayer"]) for site in report["sites"]] == [
+        (layer, sublayer) for layer in range(3) for sublayer in ("attn", "ffn")
+    ]
+    for site in report["sites"]:
+        for key in ("forward_gain_max", "forward_gain_mean", "backward_gain_max", "backward_gain_mean"):
+            assert abs(site[key] - 1) <= 4 * eps, (site["layer"], site["sublayer"], key, site[key])
+        assert site["comb_row_sum_max_deviation"] <= 4 * eps
+        assert site["comb_col_sum_max_deviation"] <= 4 * eps
+        assert site["pre_min"] == pytest.approx(0.25, abs=1e-6) and site["pre_max"] == pytest.approx(0.25, abs=1e-6)
+        assert site["post_min"] < 1 < site["post_max"]  # the ±δ pairs
+    for key, value in report["composite"].items():
+        assert abs(value - 1) <= 4 * eps * len(report["sites"]), (key, value)
+    # The embedding is copied into every stream: identical streams enter layer 0, then the post pairs split them.
+    assert report["sites"][0]["stream_cosine_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert report["sites"][1]["stream_cosine_mean"] < 1 - 1e-5
+
+
+def test_gains_match_a_float64_product_of_the_mixing_maps_over_the_unmasked_tokens():
+    model = randomize_hc(mhc_model(hc_mult=4, hc_sinkhorn_iters=2))
+    input_ids = torch.randint(3, VOCAB, (2, 9))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 5:] = 0  # right padding: those tokens must not count
+    report = stability_report(model, input_ids, attention_mask)
+
+    sites, entering = site_inputs(model, input_ids, attention_mask)
+    keep = attention_mask.bool()
+    composite = torch.eye(4, dtype=torch.float64).expand(int(keep.sum()), 4, 4)
+    for hc, streams, site in zip(sites, entering, report["sites"], strict=True):
+        applied = reference_comb(streams, hc)[keep].transpose(-1, -2)  # X' = comb^T X
+        composite = applied @ composite
+        row_sums, col_sums = applied.abs().sum(-1), applied.abs().sum(-2)
+        assert site["forward_gain_max"] == pytest.approx(row_sums.amax(-1).max().item(), rel=1e-5)
+        assert site["forward_gain_mean"] == pytest.approx(row_sums.amax(-1).mean().item(), rel=1e-5)
+        assert site["backward_gain_max"] == pytest.approx(col_sums.amax(-1).max().item(), rel=1e-5)
+        assert site["backward_gain_mean"] == pytest.approx(col_sums.amax(-1).mean().item(), rel=1e-5)
+        assert site["cumulative_backward_gain_max"] == pytest.approx(
+            composite.abs().sum(-2).amax(-1).max().item(), rel=1e-5
+        )
+    expected = {
+        "forward_gain_max": composite.abs().sum(-1).amax(-1).max(),
+        "forward_gain_mean": composite.abs().sum(-1).amax(-1).mean(),
+        "backward_gain_max": composite.abs().sum(-2).amax(-1).max(),
+        "backward_gain_mean": composite.abs().sum(-2).amax(-1).mean(),
+    }
+    for key, value in expected.items():
+        assert report["composite"][key] == pytest.approx(value.item(), rel=1e-5), key
+    # Two Sinkhorn rounds leave comb's rows visibly off: the backward gain is measured, not assumed to be 1.
+    assert report["composite"]["backward_gain_max"] > 1.001
+    assert report["num_tokens"] == int(keep.sum())
+
+
+def test_doubly_stochastic_comb_is_non_expansive_and_one_sinkhorn_round_is_not():
+    converged = randomize_hc(mhc_model(hc_mult=4, hc_sinkhorn_iters=200), fn_std=0.1)
+    one_round = mhc_model(hc_mult=4, hc_sinkhorn_iters=1)
+    one_round.load_state_dict(converged.state_dict())
+    input_ids = torch.randint(3, VOCAB, (2, 10))
+
+    report = stability_report(converged, input_ids)
+    summary = report["summary"]
+    assert summary["max_comb_row_sum_deviation"] < 1e-5 and summary["max_comb_col_sum_deviation"] < 1e-5
+    tolerance = 1e-5
+    for site in report["sites"]:
+        assert site["forward_gain_max"] <= 1 + tolerance and site["backward_gain_max"] <= 1 + tolerance
+    assert summary["composite_forward_gain"] <= 1 + tolerance
+    assert summary["composite_backward_gain"] <= 1 + tolerance
+
+    loose = stability_report(one_round, input_ids)["summary"]
+    assert loose["composite_forward_gain"] <= 1 + tolerance  # the columns are normalised last: rows of comb^T
+    assert loose["max_comb_row_sum_deviation"] > 0.05
+    assert loose["max_site_backward_gain"] > 1.05
+    assert loose["composite_backward_gain"] > 1.05
+
+
+def test_single_stream_has_unit_gains_and_no_stream_similarity():
+    report = stability_report(randomize_hc(mhc_model(hc_mult=1)), torch.randint(3, VOCAB, (1, 6)))
+    assert report["composite"]["forward_gain_max"] == pytest.approx(1.0, abs=1e-5)
+    assert report["sites"][0]["stream_cosine_mean"] is None
+    assert "mhc/stream_cosine_mean" not in report_scalars(report)
+    assert "layer 2 ffn" in format_report(report)
+
+
+def test_report_scalars_are_flat_floats_with_per_site_keys():
+    report = stability_report(mhc_model(hc_mult=2), torch.randint(3, VOCAB, (1, 5)))
+    summary_only = report_scalars(report)
+    assert summary_only["mhc/composite_forward_gain"] == report["composite"]["forward_gain_max"]
+    assert not any("layer_" in key for key in summary_only)
+    full = report_scalars(report, per_site=True)
+    assert all(isinstance(value, float) for value in full.values())
+    assert {f"mhc/layer_2/ffn/{name}" for name in SITE_SCALARS} <= set(full)
+
+
+def test_capture_restores_training_mode_and_removes_hooks():
+    model = mhc_model().train()
+    stability_report(model, torch.randint(3, VOCAB, (1, 4)))
+    assert model.training
+    assert all(not module._forward_hooks for module in model.modules())
+    with pytest.raises(ValueError, match="not an mHC model"):
+        with capture_hc_maps(LlamaForCausalLM(tiny_backbone_config("llama"))):
+            pass
+    with pytest.raises(ValueError, match="masks every token"):
+        stability_report(model, torch.ones(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match="integer"):
+        stability_report(model, torch.ones(1, 3))
+
+
+class LogRecorder(TrainerCallback):
+    """Stands in for a reporting integration (TensorBoard, W&B): records what on_log hands it."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append((state.global_step, dict(logs)))
+
+
+def test_callback_logs_the_scalars_through_trainer_every_n_steps(tmp_path):
+    model = mhc_model(hc_mult=4).train()
+    blocks = torch.randint(3, VOCAB, (16, 12))
+    train_set = Dataset.from_dict({"input_ids": blocks.tolist(), "labels": blocks.tolist()})
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=2,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+    )
+    recorder = LogRecorder()
+    trainer = Trainer(model=model, args=args, train_dataset=train_set, callbacks=[recorder])
+    before = report_scalars(stability_report(model, blocks[:3]))
+    trainer.add_callback(MHCStabilityCallback(every_n_steps=2, trainer=trainer, num_samples=3))
+    trainer.train()
+
+    stability_steps = [step for step, logs in recorder.logs if "mhc/composite_forward_gain" in logs]
+    assert stability_steps == [0, 2, 4]
+    loss_steps = [step for step, logs in recorder.logs if "loss" in logs]
+    assert loss_steps == [2, 4]  # the trainer's own logs still happen at the logging steps
+    history = [entry for entry in trainer.state.log_history if "mhc/composite_forward_gain" in entry]
+    assert [entry["step"] for entry in history] == [0, 2, 4]
+    assert history[0]["mhc/max_comb_row_sum_deviation"] == pytest.approx(before["mhc/max_comb_row_sum_deviation"])
+    assert history[0]["mhc/stream_cosine_mean"] == pytest.approx(before["mhc/stream_cosine_mean"])
+    # Training moved the HC maps, and the logged report follows them.
+    assert history[-1]["mhc/pre_max"] != history[0]["mhc/pre_max"]
+
+
+def test_callback_rejects_bad_arguments():
+    trainer = Trainer(model=mhc_model(), args=TrainingArguments(output_dir="unused", report_to=[], use_cpu=True))
+    with pytest.raises(ValueError, match="every_n_steps"):
+        MHCStabilityCallback(every_n_steps=0, trainer=trainer)
+    with pytest.raises(TypeError, match="Trainer"):
+        MHCStabilityCallback(every_n_steps=5, trainer=object())
+
+
+def test_inspect_cli_prints_the_table_for_a_checkpoint_without_tokenizer(tmp_path, capsys):
+    randomize_hc(mhc_model(hc_mult=3)).save_pretrained(tmp_path / "mhc")
+    assert inspect_main([str(tmp_path / "mhc"), "--json", str(tmp_path / "report.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "random token ids" in printed and "layer 2 ffn" in printed and "composite over depth" in printed
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["hc_mult"] == 3 and len(report["sites"]) == 6 and report["num_tokens"] == 64
+
+
+def test_inspect_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    assert inspect_main([str(tmp_path / "missing")]) == 1
+    assert capsys.readouterr().err.startswith("error: cannot load")
+    LlamaForCausalLM(tiny_backbone_config("llama")).save_pretrained(tmp_path / "llama")
+    mhc_model().save_pretrained(tmp_path / "mhc")
+    capsys.readouterr()  # drop the save progress bars
+    assert inspect_main([str(tmp_path / "llama")]) == 1
+    message = capsys.readouterr().err
+    assert message.startswith("error: ") and "not an mHC" in message and message.count("\n") == 1
+    assert inspect_main([str(tmp_path / "mhc"), "--text", "hello"]) == 1
+    assert "no tokenizer" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert inspect_main([str(tmp_path / "mhc"), "--plot", str(tmp_path / "plots")]) == 1
+    assert "needs matplotlib" in capsys.readouterr().err
+
+
+def test_inspect_cli_writes_an_overview_and_one_plot_per_layer(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    randomize_hc(mhc_model(hc_mult=2)).save_pretrained(tmp_path / "mhc")
+    assert inspect_main([str(tmp_path / "mhc"), "--plot", str(tmp_path / "plots")]) == 0
+    assert "4 plots written" in capsys.readouterr().out
+    names = sorted(path.name for path in (tmp_path / "plots").iterdir())
+    assert names == ["layer_0.png", "layer_1.png", "layer_2.png", "overview.png"]
+    assert all((tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for name in names)
+
+
+@pytest.mark.skipif(not STORIES260K.is_dir(), reason="../shared/assets/stories260K is not present")
+def test_inspect_cli_on_the_upcycled_real_llama_with_its_tokenizer(tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    import hf_mhc
+
+    model = hf_mhc.upcycle(AutoModelForCausalLM.from_pretrained(STORIES260K), hc_mult=4)
+    model.save_pretrained(tmp_path / "mhc")
+    AutoTokenizer.from_pretrained(STORIES260K).save_pretrained(tmp_path / "mhc")
+    text = "Once upon a time, there was a little girl named Lily."
+    assert inspect_main([str(tmp_path / "mhc"), "--text", text, "--json", str(tmp_path / "report.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "n = 4 streams, 5 layers" in printed
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["num_tokens"] == len(AutoTokenizer.from_pretrained(STORIES260K)(text)["input_ids"])
+    # Upcycled: the residual mixing is the identity up to hc_eps at every site and over the depth.
+    assert abs(report["summary"]["composite_backward_gain"] - 1) < 1e-4
