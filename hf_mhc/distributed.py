@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from .modeling_mhc import MHCDecoderLayer, MHCForCausalLM, MHCHyperConnection, MHCHyperHead
+from .modeling_mhc import MHCDecoderLayer, MHCForCausalLM, MHCHyperConnection, MHCHyperHead, MHCModel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -46,9 +46,10 @@ def apply_fsdp2(
 
     Units, innermost first: every ``MHCHyperConnection`` (``attn_hc``, ``ffn_hc``) and the ``MHCHyperHead``
     (``hc_head``) on its own, then every ``MHCDecoderLayer`` (attention, MLP, norms), then the root (embedding,
-    final norm, ``lm_head``, tied or not). The HC units always compute in float32 and reduce their gradients in
-    float32 whatever ``mp_policy`` says (``mp_policy.param_dtype`` would otherwise round the Sinkhorn inputs), and
-    they do not cast the streams they receive; ``mp_policy`` applies to the decoder layers and the root.
+    final norm, ``lm_head``, tied or not). The HC units ignore ``mp_policy``: they gather and compute in their own
+    parameter dtype (float32 in an mHC model, even a bf16 one), reduce gradients in float32 and leave the streams
+    they receive uncast, so ``param_dtype=torch.bfloat16`` never rounds the Sinkhorn inputs. ``mp_policy`` applies
+    to the decoder layers and the root.
 
     Args:
         model: an mHC model (``MHCForCausalLM``, ``MHCModel``, ``MHCForSequenceClassification``, or one wrapped by
@@ -57,8 +58,9 @@ def apply_fsdp2(
             of the model's parameters (the current accelerator for a ``meta`` model).
         mp_policy: FSDP2 mixed precision for the backbone units, e.g.
             ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``. Default: none.
-        reshard_after_forward: free the gathered parameters after each unit's forward (ZeRO-3) rather than keeping
-            them until backward (ZeRO-2).
+        reshard_after_forward: free the gathered parameters of the layer and HC units after their forward (ZeRO-3)
+            rather than keeping them until backward (ZeRO-2). The root unit always keeps them: backward starts
+            with ``lm_head``.
 
     Returns:
         ``model`` itself, now an ``FSDPModule`` whose parameters are sharded ``DTensor``s. Build the optimizer after
@@ -83,7 +85,8 @@ def apply_fsdp2(
             fully_shard(module, mesh=mesh, mp_policy=hc_policy, reshard_after_forward=reshard_after_forward)
     for layer in decoder_layers:
         fully_shard(layer, mesh=mesh, mp_policy=backbone_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=backbone_policy, reshard_after_forward=reshard_after_forward)
+    # The root (embedding, final norm, lm_head) is gathered for the whole forward and needed first in backward.
+    fully_shard(model, mesh=mesh, mp_policy=backbone_policy, reshard_after_forward=False)
     return model
 
 
@@ -94,7 +97,7 @@ class _StageTrunk(nn.Module):
 
     def __init__(
         self,
-        source: nn.Module,
+        source: MHCModel,
         layer_indices: range,
         is_first: bool,
         is_last: bool,
@@ -120,8 +123,9 @@ class MHCPipelineStageModule(nn.Module):
     Parameters keep the names they have in the full model (``model.layers.3.attn_hc.fn``, ``lm_head.weight``), so
     ``stage.load_state_dict(full_state_dict, strict=False)`` fills a stage and stage state dicts merge into a full
     checkpoint. Rotary position embeddings and the causal (and sliding-window) masks are rebuilt on every stage from
-    the sequence length: positions are ``0 .. T-1``, attention is causal, and there is no padding mask or KV cache
-    (pipeline training packs or pads sequences to the same length and masks padding through ``-100`` labels).
+    the sequence length: positions are ``0 .. T-1``, attention is causal, and there is no padding mask or KV cache.
+    For batches of unequal lengths, pad on the right and label the padding ``-100``: causal attention keeps it out of
+    the real tokens.
     """
 
     def __init__(
@@ -140,8 +144,7 @@ class MHCPipelineStageModule(nn.Module):
         self.is_last = stage_index == num_stages - 1
         self.model = _StageTrunk(model.model, layer_indices, self.is_first, self.is_last)
         self.lm_head = lm_head
-        layer_kinds = {layer.attention_type for layer in self.model.layers.values()}
-        self._attention_kinds = sorted(layer_kinds)
+        self._attention_kinds = sorted({layer.attention_type for layer in self.model.layers.values()})
 
     def _attention_masks(self, like: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
         mask_kwargs = {

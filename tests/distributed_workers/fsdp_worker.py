@@ -106,7 +106,7 @@ def bf16(rank: int, world_size: int) -> None:
     assert hc_names and hc_names == expected_hc, f"float32 parameters outside the HC modules: {hc_names}"
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    apply_fsdp2(model, mp_policy=policy)
+    apply_fsdp2(model, mp_policy=policy, reshard_after_forward=False)  # ZeRO-2 for the layers
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = torch.randint(3, VOCAB, (GLOBAL_BATCH, LENGTH))
     reference_loss = reference(batch, labels=batch).loss
