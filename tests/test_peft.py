@@ -1,0 +1,116 @@
+"""PEFT: LoRA on the backbone projections with the HC maps trained in full, saved, reloaded and merged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_backbone_config
+from hf_mhc.conversion import is_hc_parameter
+from peft import PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from peft.utils import ModulesToSaveWrapper
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+import hf_mhc
+from hf_mhc.peft import BACKBONE_PROJECTIONS, HC_MODULE_NAMES, mhc_lora_config
+
+
+def hc_state(model):
+    """The HC tensors that the model's forward uses, keyed by their plain mHC name."""
+    state = {}
+    for name, param in model.named_parameters():
+        if is_hc_parameter(name) and "original_module" not in name:
+            plain = name.replace("base_model.model.", "").replace("modules_to_save.default.", "")
+            state[plain] = param.detach().clone()
+    return state
+
+
+@pytest.fixture
+def upcycled_dir(tmp_path):
+    source = LlamaForCausalLM(tiny_backbone_config("llama", num_hidden_layers=2))
+    hf_mhc.upcycle(source, hc_mult=4).save_pretrained(tmp_path / "base")
+    return tmp_path / "base"
+
+
+def test_lora_trains_the_hc_maps_and_saves_reloads_and_merges_them(upcycled_dir, tmp_path):
+    base = AutoModelForCausalLM.from_pretrained(upcycled_dir)
+    base_state = {name: tensor.clone() for name, tensor in base.state_dict().items()}
+    model = get_peft_model(base, mhc_lora_config(r=4, lora_alpha=8))
+
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    assert trainable and all("lora_" in name or "modules_to_save" in name for name in trainable)
+    assert {name.split(".")[-1] for name in trainable if "modules_to_save" in name} == {
+        "fn", "base", "scale", "hc_fn", "hc_base", "hc_scale"
+    }
+    lora_targets = {name.split(".")[-1] for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    assert lora_targets == set(BACKBONE_PROJECTIONS)
+
+    hc_before = hc_state(model)
+    batch = torch.randint(3, VOCAB, (4, 12))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    for step in range(3):
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        if step == 2:  # by now fn has left 0, so the dynamic scales get a gradient too
+            hc_grads = {
+                name: param.grad for name, param in model.named_parameters()
+                if "modules_to_save" in name and is_hc_parameter(name)
+            }
+            assert all(grad is not None and grad.abs().sum() > 0 for grad in hc_grads.values()), [
+                name for name, grad in hc_grads.items() if grad is None or grad.abs().sum() == 0
+            ]
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    hc_after = hc_state(model)
+    assert hc_after.keys() == hc_before.keys() and len(hc_after) == 2 * 2 * 3 + 3
+    assert all(not torch.equal(hc_after[name], hc_before[name]) for name in hc_after if name.endswith("fn"))
+    # The frozen backbone and the wrapped originals of the HC modules are untouched.
+    for name, tensor in model.get_base_model().state_dict().items():
+        plain = name.replace(".base_layer", "").replace("original_module.", "")
+        if "lora_" not in name and "modules_to_save" not in name:
+            assert torch.equal(tensor, base_state[plain]), name
+
+    model.save_pretrained(tmp_path / "adapter")
+    with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", framework="pt") as adapter:
+        saved = set(adapter.keys())
+    saved_hc = {key for key in saved if is_hc_parameter(key)}
+    assert len(saved_hc) == len(hc_after)
+    assert {site for site in HC_MODULE_NAMES if any(f".{site}." in key for key in saved_hc)} == set(HC_MODULE_NAMES)
+    assert any("lora_A" in key for key in saved)
+
+    ids = torch.randint(3, VOCAB, (2, 10))
+    with torch.no_grad():
+        trained_logits = model(input_ids=ids).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(upcycled_dir)(ids).logits
+    assert not torch.allclose(trained_logits, base_logits, atol=1e-4)  # the adapter does something
+
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(upcycled_dir), tmp_path / "adapter")
+    reloaded.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, trained_logits, rtol=0, atol=1e-6)
+    assert all(torch.equal(tensor, hc_after[name]) for name, tensor in hc_state(reloaded).items())
+
+    merged = reloaded.merge_and_unload()
+    assert type(merged) is hf_mhc.MHCForCausalLM
+    assert not any(isinstance(module, (LoraLayer, ModulesToSaveWrapper)) for module in merged.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, trained_logits, rtol=1e-5, atol=1e-5)
+    merged.save_pretrained(tmp_path / "merged")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert type(again) is hf_mhc.MHCForCausalLM
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, trained_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_config_keeps_user_choices_and_rejects_hc_targets():
+    config = mhc_lora_config(r=2, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], lora_dropout=0.1)
+    assert set(config.target_modules) == {"q_proj", "v_proj"}
+    assert config.modules_to_save == ["lm_head", *HC_MODULE_NAMES]
+    assert config.lora_dropout == 0.1 and config.task_type == "CAUSAL_LM" and config.r == 2
+    with pytest.raises(ValueError, match="HC modules"):
+        mhc_lora_config(target_modules=["q_proj", "attn_hc"])
+    with pytest.raises(ValueError, match="empty"):
+        mhc_lora_config(target_modules=[])
