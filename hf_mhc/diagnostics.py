@@ -464,7 +464,7 @@ def plot_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
 
 
 class MHCStabilityCallback(TrainerCallback):
-    """Log :func:`stability_report` scalars through ``Trainer.log`` at the start of training and every N steps.
+    """Log :func:`stability_report` scalars through ``Trainer.log`` at the start, every N steps and at the last step.
 
     The scalars (``mhc/composite_forward_gain``, ``mhc/max_comb_row_sum_deviation``, ... and with ``per_site`` also
     ``mhc/layer_{i}/{attn|ffn}/...``) reach every ``report_to`` integration (TensorBoard, W&B, ...) and
@@ -535,7 +535,7 @@ class MHCStabilityCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model=None, **kwargs
     ) -> TrainerControl:
-        if state.global_step % self.every_n_steps == 0:
+        if state.global_step % self.every_n_steps == 0 or state.global_step == state.max_steps:
             self._log_report(state, control, model)
         return control
 
