@@ -1,0 +1,132 @@
+"""The ``hf-mhc`` command line.
+
+Each subcommand is added by a ``_add_<name>`` function that registers its arguments and a ``run`` handler
+returning the exit status. Bad input ends with one ``hf-mhc <command>: error: ...`` line on stderr and status 1;
+an interruption (Ctrl-C, SIGTERM) with status 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+
+from . import __version__
+from .conversion import ConversionError, ConversionReport, convert_checkpoint
+from .conversion.convert import DEFAULT_MAX_SHARD_SIZE, DTYPES
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hf-mhc`` argument parser with all its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="hf-mhc", description="Manifold-Constrained Hyper-Connections (mHC) for Hugging Face Transformers."
+    )
+    parser.add_argument("--version", action="version", version=f"hf-mhc {__version__}")
+    subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_convert(subcommands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``hf-mhc`` with ``argv`` (default: ``sys.argv[1:]``) and return the exit status."""
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+def _add_convert(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "convert",
+        help="convert a Llama/Mistral/Qwen2/Qwen3 checkpoint into an mHC checkpoint",
+        description=(
+            "Stream a residual causal-LM checkpoint (a folder or a Hub model id) into a new mHC checkpoint folder: "
+            "backbone tensors copied unchanged, function-preserving HC tensors added, then verified against the "
+            "source. OUT is written only once complete; on any error SRC and OUT are left as they were."
+        ),
+    )
+    parser.add_argument("src", metavar="SRC", help="checkpoint folder or Hugging Face Hub model id")
+    parser.add_argument("out", metavar="OUT", help="folder to create (must not exist or be empty)")
+    parser.add_argument("--hc-mult", type=int, default=4, metavar="N", help="number of residual streams (default 4)")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), help="cast the backbone weights (HC weights stay float32); default: keep"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
+    parser.add_argument(
+        "--no-verify", dest="verify", action="store_false", help="skip comparing logits and greedy decoding"
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        metavar="SIZE",
+        help=f"largest weight file, e.g. 500MB or 2GiB (default {DEFAULT_MAX_SHARD_SIZE})",
+    )
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="read pickled pytorch_model*.bin weights (with torch.load(weights_only=True))",
+    )
+    parser.set_defaults(run=_run_convert)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    try:
+        with _sigterm_raises_keyboard_interrupt():
+            report = convert_checkpoint(
+                args.src,
+                args.out,
+                hc_mult=args.hc_mult,
+                dtype=args.dtype,
+                overwrite=args.overwrite,
+                verify=args.verify,
+                max_shard_size=args.max_shard_size,
+                allow_pickle=args.allow_pickle,
+            )
+    except (ConversionError, OSError) as error:
+        return _fail("convert", str(error))
+    except KeyboardInterrupt:
+        print("hf-mhc convert: interrupted; OUT was not written (an existing OUT is unchanged).", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    _print_report(report)
+    return 0
+
+
+def _print_report(report: ConversionReport) -> None:
+    print(
+        f"Converted {report.source} -> {report.output}: {report.family}, hc_mult {report.hc_mult}, {report.dtype}, "
+        f"{report.tensors} tensors, {report.total_size / 1e6:.1f} MB in {report.weight_files[0]}"
+        + (f" and {len(report.weight_files) - 1} more files" if len(report.weight_files) > 1 else "")
+    )
+    if report.verification is None:
+        print("Verification: skipped (--no-verify)")
+    else:
+        print(f"Verification: {report.verification.summary()}")
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"hf-mhc {command}: error: {' '.join(message.split())}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+@contextlib.contextmanager
+def _sigterm_raises_keyboard_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM (e.g. ``kill``) unwinds like Ctrl-C, so the conversion cleans up after itself."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+__all__ = ["build_parser", "main"]
