@@ -7,6 +7,8 @@ coefficient is computed in float32 whatever that dtype is. This file ships flat 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,34 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
+def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """``RMSNorm(flat) @ fn.T``: ``[..., n, C]`` streams and ``fn [m, n*C]`` -> float32 ``[..., m]``."""
+    return F.linear(normalized_flat_streams(streams, norm_eps), fn.float())
+
+
+def mhc_maps(
+    mix: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    sinkhorn_iters: int,
+    eps: float,
+    sinkhorn_fn=sinkhorn,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pre``, ``post``, ``comb`` from the projected streams ``mix [..., (n+2)*n]`` (float32).
+
+    ``sinkhorn_fn(logits, iters, eps)`` lets a caller swap in a memory-light Sinkhorn with the same numbers.
+    """
+    n = math.isqrt(1 + base.shape[0]) - 1  # base holds (n + 2) * n entries
+    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    pre_scale, post_scale, comb_scale = scale.float().unbind(0)
+    pre = torch.sigmoid(pre_w * pre_scale + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_scale + post_b)
+    comb_logits = comb_w.unflatten(-1, (n, n)) * comb_scale + comb_b.view(n, n)
+    return pre, post, sinkhorn_fn(comb_logits, sinkhorn_iters, eps)
+
+
 def mhc_coeffs(
     streams: torch.Tensor,
     fn: torch.Tensor,
@@ -51,15 +81,8 @@ def mhc_coeffs(
     Returns:
         ``pre [..., n]``, ``post [..., n]``, ``comb [..., n, n]``, all float32.
     """
-    n = streams.shape[-2]
-    mix = F.linear(normalized_flat_streams(streams, norm_eps), fn.float())
-    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    pre_scale, post_scale, comb_scale = scale.float().unbind(0)
-    pre = torch.sigmoid(pre_w * pre_scale + pre_b) + eps
-    post = 2 * torch.sigmoid(post_w * post_scale + post_b)
-    comb_logits = comb_w.unflatten(-1, (n, n)) * comb_scale + comb_b.view(n, n)
-    return pre, post, sinkhorn(comb_logits, sinkhorn_iters, eps)
+    mix = mhc_mix(streams, fn, norm_eps)
+    return mhc_maps(mix, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps)
 
 
 def mhc_pre(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -97,6 +120,9 @@ def mhc_head(
     Returns:
         ``[..., C]`` in the streams' dtype.
     """
-    mix = F.linear(normalized_flat_streams(streams, norm_eps), hc_fn.float())
-    pre_h = torch.sigmoid(mix * hc_scale.float() + hc_base.float()) + eps
-    return mhc_pre(streams, pre_h)
+    return mhc_pre(streams, mhc_head_weights(mhc_mix(streams, hc_fn, norm_eps), hc_base, hc_scale, eps=eps))
+
+
+def mhc_head_weights(mix: torch.Tensor, hc_base: torch.Tensor, hc_scale: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """The head's collapse weights ``pre_h [..., n]`` from ``mix = RMSNorm(flat) @ hc_fn.T`` (float32)."""
+    return torch.sigmoid(mix * hc_scale.float() + hc_base.float()) + eps

@@ -1,25 +1,41 @@
 """Public mHC kernel API: ``sinkhorn``, ``mhc_coeffs``, ``mhc_pre``, ``mhc_post_res``, ``mhc_head``.
 
-Each op takes ``backend``: ``"torch"`` (the plain-torch formula of DESIGN §3, differentiable through
-autograd) or ``None`` to pick the best backend available for the tensors' device. These names and
-signatures are stable; faster backends change the speed, never the results.
+Each op takes ``backend``:
+
+- ``"torch"``: memory-light torch kernels (custom forward and backward that save only the streams, the sublayer
+  output and per-token coefficients, and recompute Sinkhorn's iterates in backward);
+- ``"triton"``: the fused Triton kernels, for CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``);
+- ``None``: Triton for CUDA tensors, torch otherwise.
+
+Every op is a ``torch.library`` custom op with its own backward, so ``torch.compile(fullgraph=True)`` traces through
+it. The numbers are those of the plain formula in ``hf_mhc.mhc_reference`` (DESIGN §3) whatever the backend; a
+failing Triton launch raises, it never falls back silently.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hf_mhc import mhc_reference
+from .coeffs_op import mhc_coeffs_fwd_op, mhc_head_weights_fwd_op
+from .post_res_op import mhc_post_res_fwd_op
+from .pre_op import mhc_pre_fwd_op
+from .sinkhorn_op import interpreting, sinkhorn_fwd_op
 
-BACKENDS: tuple[str, ...] = ("torch",)
+BACKENDS: tuple[str, ...] = ("torch", "triton")
 
 
 def resolve_backend(backend: str | None, *tensors: torch.Tensor) -> str:
-    """Return the backend to run on ``tensors``; raise ``ValueError`` for an unknown name."""
+    """The backend to run on ``tensors``; ``ValueError`` for an unknown name or a device Triton cannot run on."""
+    on_cuda = all(t.is_cuda for t in tensors)
     if backend is None:
-        return "torch"
+        return "triton" if on_cuda else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"Unknown mHC backend {backend!r}; available backends: {', '.join(BACKENDS)} (or None).")
+    if backend == "triton" and not on_cuda and not interpreting():
+        raise ValueError(
+            "backend='triton' runs on CUDA tensors; set TRITON_INTERPRET=1 before importing triton to run the "
+            "kernels on CPU tensors, or use backend='torch'."
+        )
     return backend
 
 
@@ -29,8 +45,7 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float, *, backend: str | Non
         raise ValueError(f"sinkhorn needs iters >= 1, got {iters}.")
     if logits.shape[-1] != logits.shape[-2]:
         raise ValueError(f"sinkhorn needs square [..., n, n] logits, got shape {tuple(logits.shape)}.")
-    resolve_backend(backend, logits)
-    return mhc_reference.sinkhorn(logits, iters, eps)
+    return sinkhorn_fwd_op(logits, iters, eps, resolve_backend(backend, logits))
 
 
 def mhc_coeffs(
@@ -53,18 +68,17 @@ def mhc_coeffs(
         )
     if sinkhorn_iters < 1:
         raise ValueError(f"mhc_coeffs needs sinkhorn_iters >= 1, got {sinkhorn_iters}.")
-    resolve_backend(backend, streams)
-    return mhc_reference.mhc_coeffs(
-        streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps
+    pre, post, comb, _, _ = mhc_coeffs_fwd_op(
+        streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, resolve_backend(backend, streams)
     )
+    return pre, post, comb
 
 
 def mhc_pre(streams: torch.Tensor, pre: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """Collapse ``streams [B, T, n, C]`` with ``pre [B, T, n]`` into ``[B, T, C]`` (streams' dtype)."""
     if pre.shape != streams.shape[:-1]:
         raise ValueError(f"mhc_pre needs pre of shape {tuple(streams.shape[:-1])}, got {tuple(pre.shape)}.")
-    resolve_backend(backend, streams)
-    return mhc_reference.mhc_pre(streams, pre)
+    return mhc_pre_fwd_op(streams, pre, resolve_backend(backend, streams))
 
 
 def mhc_post_res(
@@ -85,8 +99,7 @@ def mhc_post_res(
             f"mhc_post_res needs post {tuple(streams.shape[:-1])} and comb {tuple(streams.shape[:-1] + (n,))}, "
             f"got {tuple(post.shape)} and {tuple(comb.shape)}."
         )
-    resolve_backend(backend, streams)
-    return mhc_reference.mhc_post_res(streams, y, post, comb)
+    return mhc_post_res_fwd_op(streams, y, post, comb, resolve_backend(backend, streams))
 
 
 def mhc_head(
@@ -106,5 +119,6 @@ def mhc_head(
             f"mhc_head for n={n}, C={hidden} needs hc_fn [{n}, {n * hidden}], hc_base [{n}], hc_scale [1]; "
             f"got {tuple(hc_fn.shape)}, {tuple(hc_base.shape)}, {tuple(hc_scale.shape)}."
         )
-    resolve_backend(backend, streams)
-    return mhc_reference.mhc_head(streams, hc_fn, hc_base, hc_scale, eps=eps, norm_eps=norm_eps)
+    backend = resolve_backend(backend, streams)
+    pre_h, _, _ = mhc_head_weights_fwd_op(streams, hc_fn, hc_base, hc_scale, eps, norm_eps, backend)
+    return mhc_pre_fwd_op(streams, pre_h, backend)

@@ -42,5 +42,6 @@ def test_saved_folder_loads_with_remote_code_without_the_plugin(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "transformers_modules" in result.stdout
+    # The plugin runs its own kernels, the remote copy the plain reference formula: equal up to float32 rounding.
     with torch.no_grad():
-        torch.testing.assert_close(torch.load(tmp_path / "out.pt"), model(ids).logits, atol=0, rtol=0)
+        torch.testing.assert_close(torch.load(tmp_path / "out.pt"), model(ids).logits, atol=1e-5, rtol=1e-5)

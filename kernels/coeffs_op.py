@@ -1,0 +1,401 @@
+"""Fused mHC coefficients: ``streams -> pre, post, comb`` for a sublayer, ``streams -> pre_h`` for the head.
+
+Forward, one pass over the streams per token block: ``flat @ fn.T`` and the sum of squares together (the reordered
+RMSNorm of DESIGN §3: ``RMSNorm(flat) @ fn.T == (flat @ fn.T) * rstd``), then sigmoid / 2·sigmoid / softmax +
+Sinkhorn per token in registers, in float32. Saved for backward: the streams (shared with the other ops of the site),
+``mix = RMSNorm(flat) @ fn.T`` (``(n+2)·n`` floats per token) and ``rstd`` (one float per token).
+
+Backward: the maps' gradient w.r.t. ``mix`` (Sinkhorn recomputed, see ``sinkhorn_op``), then
+``d flat = (d mix · rstd) @ fn - (rstd² / D) · <d mix, mix> · flat`` and ``d fn = (d mix · rstd)^T @ flat``.
+The reference for all of it is ``hf_mhc.mhc_reference.mhc_coeffs`` / ``mhc_head``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_mhc import mhc_reference
+
+from .sinkhorn_op import (
+    padded_streams,
+    sinkhorn_backward_torch,
+    sinkhorn_forward_torch,
+    sinkhorn_tile_backward,
+    sinkhorn_tile_forward,
+    token_block,
+)
+
+COEFFS_BLOCK_T = 16
+COEFFS_BLOCK_K = 128
+
+
+def _vector_width(n: int) -> int:
+    """Register width of the ``pre`` / ``post`` vectors: ``tl.dot`` needs at least 16 columns."""
+    return max(16, triton.next_power_of_2(n))
+
+
+@triton.jit
+def _map_offsets(N: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr):
+    """Columns of ``mix`` / rows of ``fn`` for the padded pre, post and comb register layouts, and their masks."""
+    vec = tl.arange(0, NV)
+    flat_pair = tl.arange(0, NP * NP)
+    row, col = flat_pair // NP, flat_pair % NP
+    comb_valid = (row < N) & (col < N)
+    return vec, vec < N, 2 * N + row * N + col, comb_valid
+
+
+@triton.jit
+def _mhc_coeffs_fwd_kernel(
+    x_ptr, fn_ptr, base_ptr, scale_ptr, mix_ptr, rstd_ptr, pre_ptr, post_ptr, comb_ptr,
+    T, D, norm_eps, hc_eps,
+    N: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr, N_MIX: tl.constexpr, ITERS: tl.constexpr,
+    HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    token_ok = tokens < T
+    vec, vec_ok, comb_rows, comb_ok = _map_offsets(N, NV, NP)
+    k_range = tl.arange(0, BLOCK_K)
+    sum_sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    acc_pre = tl.zeros((BLOCK_T, NV), dtype=tl.float32)
+    acc_post = tl.zeros((BLOCK_T, NV), dtype=tl.float32)
+    acc_comb = tl.zeros((BLOCK_T, NP * NP), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + k_range
+        k_ok = k < D
+        x = tl.load(x_ptr + tokens[:, None] * D + k[None, :], mask=token_ok[:, None] & k_ok[None, :], other=0.0)
+        x = x.to(tl.float32)
+        sum_sq += tl.sum(x * x, axis=1)
+        w_pre = tl.load(fn_ptr + vec[None, :] * D + k[:, None], mask=vec_ok[None, :] & k_ok[:, None], other=0.0)
+        acc_pre += tl.dot(x, w_pre.to(tl.float32), input_precision="ieee")
+        if not HEAD:
+            w_post = tl.load(fn_ptr + (N + vec)[None, :] * D + k[:, None], mask=vec_ok[None, :] & k_ok[:, None],
+                             other=0.0)
+            acc_post += tl.dot(x, w_post.to(tl.float32), input_precision="ieee")
+            w_comb = tl.load(fn_ptr + comb_rows[None, :] * D + k[:, None], mask=comb_ok[None, :] & k_ok[:, None],
+                             other=0.0)
+            acc_comb += tl.dot(x, w_comb.to(tl.float32), input_precision="ieee")
+    rstd = 1.0 / tl.sqrt(sum_sq / D + norm_eps)
+    tl.store(rstd_ptr + tokens, rstd, mask=token_ok)
+
+    pre_mask = token_ok[:, None] & vec_ok[None, :]
+    mix_pre = acc_pre * rstd[:, None]
+    tl.store(mix_ptr + tokens[:, None] * N_MIX + vec[None, :], mix_pre, mask=pre_mask)
+    pre_z = mix_pre * tl.load(scale_ptr) + tl.load(base_ptr + vec, mask=vec_ok, other=0.0)[None, :]
+    tl.store(pre_ptr + tokens[:, None] * N + vec[None, :], tl.sigmoid(pre_z) + hc_eps, mask=pre_mask)
+    if not HEAD:
+        mix_post = acc_post * rstd[:, None]
+        tl.store(mix_ptr + tokens[:, None] * N_MIX + (N + vec)[None, :], mix_post, mask=pre_mask)
+        post_z = mix_post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + vec, mask=vec_ok, other=0.0)[None, :]
+        tl.store(post_ptr + tokens[:, None] * N + vec[None, :], 2.0 * tl.sigmoid(post_z), mask=pre_mask)
+
+        comb_mask = token_ok[:, None] & comb_ok[None, :]
+        mix_comb = acc_comb * rstd[:, None]
+        tl.store(mix_ptr + tokens[:, None] * N_MIX + comb_rows[None, :], mix_comb, mask=comb_mask)
+        logits = mix_comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + comb_rows, mask=comb_ok, other=0.0)[None, :]
+        comb = sinkhorn_tile_forward(tl.reshape(logits, (BLOCK_T, NP, NP)), tl.reshape(comb_ok, (1, NP, NP)), hc_eps,
+                                     ITERS)
+        comb_offsets = (comb_rows - 2 * N)[None, :] + tokens[:, None] * (N * N)
+        tl.store(comb_ptr + comb_offsets, tl.reshape(comb, (BLOCK_T, NP * NP)), mask=comb_mask)
+
+
+@triton.jit
+def _mhc_coeffs_bwd_maps_kernel(
+    mix_ptr, base_ptr, scale_ptr, grad_pre_ptr, grad_post_ptr, grad_comb_ptr, grad_z_ptr,
+    T, hc_eps,
+    N: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr, N_MIX: tl.constexpr, ITERS: tl.constexpr,
+    HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """``grad_z``: gradient w.r.t. the pre-activations ``z = mix * scale + base``, laid out like ``mix``."""
+    tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    token_ok = tokens < T
+    vec, vec_ok, comb_rows, comb_ok = _map_offsets(N, NV, NP)
+    pre_mask = token_ok[:, None] & vec_ok[None, :]
+    mix_pre = tl.load(mix_ptr + tokens[:, None] * N_MIX + vec[None, :], mask=pre_mask, other=0.0)
+    sig = tl.sigmoid(mix_pre * tl.load(scale_ptr) + tl.load(base_ptr + vec, mask=vec_ok, other=0.0)[None, :])
+    grad_pre = tl.load(grad_pre_ptr + tokens[:, None] * N + vec[None, :], mask=pre_mask, other=0.0)
+    tl.store(grad_z_ptr + tokens[:, None] * N_MIX + vec[None, :], grad_pre * sig * (1.0 - sig), mask=pre_mask)
+    if not HEAD:
+        mix_post = tl.load(mix_ptr + tokens[:, None] * N_MIX + (N + vec)[None, :], mask=pre_mask, other=0.0)
+        sig = tl.sigmoid(mix_post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + vec, mask=vec_ok, other=0.0)[None, :])
+        grad_post = tl.load(grad_post_ptr + tokens[:, None] * N + vec[None, :], mask=pre_mask, other=0.0)
+        tl.store(grad_z_ptr + tokens[:, None] * N_MIX + (N + vec)[None, :], 2.0 * grad_post * sig * (1.0 - sig),
+                 mask=pre_mask)
+
+        comb_mask = token_ok[:, None] & comb_ok[None, :]
+        mix_comb = tl.load(mix_ptr + tokens[:, None] * N_MIX + comb_rows[None, :], mask=comb_mask, other=0.0)
+        logits = mix_comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + comb_rows, mask=comb_ok, other=0.0)[None, :]
+        comb_offsets = (comb_rows - 2 * N)[None, :] + tokens[:, None] * (N * N)
+        grad_comb = tl.load(grad_comb_ptr + comb_offsets, mask=comb_mask, other=0.0)
+        grad_logits = sinkhorn_tile_backward(tl.reshape(logits, (BLOCK_T, NP, NP)),
+                                             tl.reshape(grad_comb, (BLOCK_T, NP, NP)),
+                                             tl.reshape(comb_ok, (1, NP, NP)), hc_eps, ITERS)
+        tl.store(grad_z_ptr + tokens[:, None] * N_MIX + comb_rows[None, :],
+                 tl.reshape(grad_logits, (BLOCK_T, NP * NP)), mask=comb_mask)
+
+
+@triton.jit
+def _mhc_coeffs_bwd_streams_kernel(
+    x_ptr, fn_ptr, grad_raw_ptr, correction_ptr, grad_x_ptr,
+    T, D,
+    N_MIX: tl.constexpr, N_MIX_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``grad_x = grad_raw @ fn + correction * x`` with ``grad_raw = grad_mix * rstd`` ``[T, N_MIX]``."""
+    tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    token_ok = tokens < T
+    outs = tl.arange(0, N_MIX_P)
+    outs_ok = outs < N_MIX
+    grad_raw = tl.load(grad_raw_ptr + tokens[:, None] * N_MIX + outs[None, :],
+                       mask=token_ok[:, None] & outs_ok[None, :], other=0.0)
+    correction = tl.load(correction_ptr + tokens, mask=token_ok, other=0.0)
+    k_range = tl.arange(0, BLOCK_K)
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + k_range
+        k_ok = k < D
+        mask = token_ok[:, None] & k_ok[None, :]
+        w = tl.load(fn_ptr + outs[:, None] * D + k[None, :], mask=outs_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + tokens[:, None] * D + k[None, :], mask=mask, other=0.0)
+        grad_x = tl.dot(grad_raw, w.to(tl.float32), input_precision="ieee") + correction[:, None] * x.to(tl.float32)
+        tl.store(grad_x_ptr + tokens[:, None] * D + k[None, :], grad_x.to(grad_x_ptr.dtype.element_ty), mask=mask)
+
+
+# --- launchers and torch implementations ------------------------------------------------------------------------
+
+
+def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head):
+    n, hidden = streams.shape[-2:]
+    x = streams.reshape(-1, n * hidden).contiguous()
+    tokens = x.shape[0]
+    n_mix = n if head else (n + 2) * n
+    mix = torch.empty(tokens, n_mix, device=x.device, dtype=torch.float32)
+    rstd = torch.empty(tokens, device=x.device, dtype=torch.float32)
+    pre = torch.empty(tokens, n, device=x.device, dtype=torch.float32)
+    post = torch.empty(0 if head else tokens * n, device=x.device, dtype=torch.float32)
+    comb = torch.empty(0 if head else tokens * n * n, device=x.device, dtype=torch.float32)
+    block = token_block(COEFFS_BLOCK_T)
+    _mhc_coeffs_fwd_kernel[(triton.cdiv(tokens, block),)](
+        x, fn.contiguous(), base.float().contiguous(), scale.float().contiguous(), mix, rstd, pre, post, comb,
+        tokens, n * hidden, norm_eps, eps,
+        N=n, NV=_vector_width(n), NP=padded_streams(n), N_MIX=n_mix, ITERS=iters, HEAD=head,
+        BLOCK_T=block, BLOCK_K=COEFFS_BLOCK_K,
+    )
+    lead = streams.shape[:-2]
+    if head:
+        return pre.view(*lead, n), mix.view(*lead, n_mix), rstd.view(lead)
+    return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n), mix.view(*lead, n_mix), rstd.view(lead)
+
+
+def _mix_torch(streams, fn, norm_eps):
+    """``mix = (flat * rstd) @ fn.T`` and ``rstd`` (normalising first rounds exactly like the reference)."""
+    flat = streams.flatten(-2).float()
+    rstd = torch.rsqrt(flat.square().mean(-1) + norm_eps)
+    return (flat * rstd.unsqueeze(-1)) @ fn.float().T, rstd
+
+
+def _map_sizes(n: int, head: bool) -> list[int]:
+    """Column groups of ``mix``: ``[n]`` for the head, ``[n, n, n*n]`` (pre, post, comb) for a sublayer."""
+    return [n] if head else [n, n, n * n]
+
+
+def _streams_per_mix(n_mix: int, head: bool) -> int:
+    return n_mix if head else math.isqrt(1 + n_mix) - 1
+
+
+def _grad_z_torch(mix, base, scale, grads, iters, eps, head):
+    """Gradient w.r.t. the pre-activations ``z = mix * scale + base`` (layout of ``mix``), in plain torch."""
+    n = _streams_per_mix(mix.shape[-1], head)
+    z_parts = (mix * _per_column(scale, n, head) + base.float()).split(_map_sizes(n, head), dim=-1)
+    sig = torch.sigmoid(z_parts[0])
+    grad_z = [grads[0].float() * sig * (1 - sig)]
+    if not head:
+        sig = torch.sigmoid(z_parts[1])
+        grad_z.append(2 * grads[1].float() * sig * (1 - sig))
+        logits = z_parts[2].unflatten(-1, (n, n))
+        grad_z.append(sinkhorn_backward_torch(logits, grads[2], iters, eps).flatten(-2))
+    return torch.cat(grad_z, dim=-1)
+
+
+def _grad_z_triton(mix, base, scale, grads, iters, eps, head):
+    n_mix = mix.shape[-1]
+    n = _streams_per_mix(n_mix, head)
+    mix2d = mix.reshape(-1, n_mix).contiguous()
+    tokens = mix2d.shape[0]
+    grad_z = torch.empty_like(mix2d)
+    empty = torch.empty(0, device=mix.device, dtype=torch.float32)
+    grad_pre = grads[0].reshape(tokens, n).float().contiguous()
+    grad_post = empty if head else grads[1].reshape(tokens, n).float().contiguous()
+    grad_comb = empty if head else grads[2].reshape(tokens, n * n).float().contiguous()
+    block = token_block(COEFFS_BLOCK_T)
+    _mhc_coeffs_bwd_maps_kernel[(triton.cdiv(tokens, block),)](
+        mix2d, base.float().contiguous(), scale.float().contiguous(), grad_pre, grad_post, grad_comb, grad_z,
+        tokens, eps, N=n, NV=_vector_width(n), NP=padded_streams(n), N_MIX=n_mix, ITERS=iters, HEAD=head,
+        BLOCK_T=block,
+    )
+    return grad_z.view(mix.shape)
+
+
+def _per_column(scale, n, head):
+    """``scale`` broadcast over the columns of ``mix`` (one scale per map group)."""
+    return torch.repeat_interleave(scale.float(), torch.tensor(_map_sizes(n, head), device=scale.device))
+
+
+def _streams_grad_torch(streams, fn, grad_raw, correction):
+    flat = streams.flatten(-2).float()
+    grad_flat = grad_raw @ fn.float() + correction.unsqueeze(-1) * flat
+    return grad_flat.to(streams.dtype).view(streams.shape)
+
+
+def _streams_grad_triton(streams, fn, grad_raw, correction):
+    n, hidden = streams.shape[-2:]
+    x = streams.reshape(-1, n * hidden).contiguous()
+    tokens, n_mix = x.shape[0], grad_raw.shape[-1]
+    grad_x = torch.empty_like(x)
+    block = token_block(COEFFS_BLOCK_T)
+    _mhc_coeffs_bwd_streams_kernel[(triton.cdiv(tokens, block),)](
+        x, fn.float().contiguous(), grad_raw.reshape(tokens, n_mix).contiguous(), correction.reshape(tokens).contiguous(),
+        grad_x, tokens, n * hidden, N_MIX=n_mix, N_MIX_P=max(16, triton.next_power_of_2(n_mix)), BLOCK_T=block,
+        BLOCK_K=COEFFS_BLOCK_K,
+    )
+    return grad_x.view(streams.shape)
+
+
+def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, backend, head):
+    """``(d streams, d fn, d base, d scale)`` from the gradients of the maps (``pre[, post, comb]``)."""
+    n, hidden = streams.shape[-2:]
+    grad_z = (_grad_z_triton if backend == "triton" else _grad_z_torch)(mix, base, scale, grads, iters, eps, head)
+    grad_mix = grad_z * _per_column(scale, n, head)
+    grad_base = grad_z.reshape(-1, mix.shape[-1]).sum(0)
+    grad_scale = torch.stack([part.sum() for part in (grad_z * mix).split(_map_sizes(n, head), dim=-1)])
+    grad_raw = grad_mix * rstd.unsqueeze(-1)
+    correction = -(rstd.square() / (n * hidden)) * (grad_mix * mix).sum(-1)
+    grad_streams = (_streams_grad_triton if backend == "triton" else _streams_grad_torch)(
+        streams, fn, grad_raw, correction
+    )
+    flat = streams.reshape(-1, n * hidden).float()
+    grad_fn = grad_raw.reshape(-1, mix.shape[-1]).T @ flat
+    return grad_streams, grad_fn.to(fn.dtype), grad_base.to(base.dtype), grad_scale.to(scale.dtype)
+
+
+def coeffs_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, head):
+    """``(pre, post, comb, mix, rstd)`` for a sublayer, ``(pre_h, mix, rstd)`` for the head."""
+    if backend == "triton":
+        return _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head)
+    mix, rstd = _mix_torch(streams, fn, norm_eps)
+    if head:
+        return mhc_reference.mhc_head_weights(mix, base, scale, eps=eps), mix, rstd
+    pre, post, comb = mhc_reference.mhc_maps(
+        mix, base, scale, sinkhorn_iters=iters, eps=eps, sinkhorn_fn=sinkhorn_forward_torch
+    )
+    return pre, post, comb, mix, rstd
+
+
+# --- the ops: one autograd definition each, two kernel backends ---------------------------------------------------
+
+
+@torch.library.custom_op("hf_mhc::mhc_coeffs_fwd", mutates_args=())
+def mhc_coeffs_fwd_op(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
+    eps: float, norm_eps: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return coeffs_forward(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend, head=False)
+
+
+@mhc_coeffs_fwd_op.register_fake
+def _(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend):
+    lead, n = streams.shape[:-2], streams.shape[-2]
+    new = streams.new_empty
+    f32 = torch.float32
+    return (new(*lead, n, dtype=f32), new(*lead, n, dtype=f32), new(*lead, n, n, dtype=f32),
+            new(*lead, fn.shape[0], dtype=f32), new(lead, dtype=f32))
+
+
+@torch.library.custom_op("hf_mhc::mhc_coeffs_bwd", mutates_args=())
+def mhc_coeffs_bwd_op(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, mix: torch.Tensor,
+    rstd: torch.Tensor, grad_pre: torch.Tensor, grad_post: torch.Tensor, grad_comb: torch.Tensor,
+    sinkhorn_iters: int, eps: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return coeffs_backward(streams, fn, base, scale, mix, rstd, (grad_pre, grad_post, grad_comb), sinkhorn_iters,
+                           eps, backend, head=False)
+
+
+@mhc_coeffs_bwd_op.register_fake
+def _(streams, fn, base, scale, mix, rstd, grad_pre, grad_post, grad_comb, sinkhorn_iters, eps, backend):
+    return torch.empty_like(streams), torch.empty_like(fn), torch.empty_like(base), torch.empty_like(scale)
+
+
+def _coeffs_setup_context(ctx, inputs, output):
+    streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend = inputs
+    *_, mix, rstd = output
+    ctx.save_for_backward(streams, fn, base, scale, mix, rstd)
+    ctx.mark_non_differentiable(mix, rstd)
+    ctx.sinkhorn_iters, ctx.eps, ctx.backend = sinkhorn_iters, eps, backend
+
+
+def _zeros_if_none(grad, like):
+    return torch.zeros_like(like) if grad is None else grad.contiguous()
+
+
+def _coeffs_backward(ctx, grad_pre, grad_post, grad_comb, grad_mix, grad_rstd):
+    streams, fn, base, scale, mix, rstd = ctx.saved_tensors
+    lead, n = streams.shape[:-2], streams.shape[-2]
+    like = streams.new_empty(*lead, n, dtype=torch.float32)
+    grads = mhc_coeffs_bwd_op(
+        streams, fn, base, scale, mix, rstd, _zeros_if_none(grad_pre, like), _zeros_if_none(grad_post, like),
+        _zeros_if_none(grad_comb, like.unsqueeze(-1).expand(*lead, n, n)), ctx.sinkhorn_iters, ctx.eps, ctx.backend,
+    )
+    return (*grads, None, None, None, None)
+
+
+mhc_coeffs_fwd_op.register_autograd(_coeffs_backward, setup_context=_coeffs_setup_context)
+
+
+@torch.library.custom_op("hf_mhc::mhc_head_weights_fwd", mutates_args=())
+def mhc_head_weights_fwd_op(
+    streams: torch.Tensor, hc_fn: torch.Tensor, hc_base: torch.Tensor, hc_scale: torch.Tensor, eps: float,
+    norm_eps: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return coeffs_forward(streams, hc_fn, hc_base, hc_scale, 1, eps, norm_eps, backend, head=True)
+
+
+@mhc_head_weights_fwd_op.register_fake
+def _(streams, hc_fn, hc_base, hc_scale, eps, norm_eps, backend):
+    lead, n = streams.shape[:-2], streams.shape[-2]
+    f32 = torch.float32
+    return streams.new_empty(*lead, n, dtype=f32), streams.new_empty(*lead, n, dtype=f32), streams.new_empty(
+        lead, dtype=f32)
+
+
+@torch.library.custom_op("hf_mhc::mhc_head_weights_bwd", mutates_args=())
+def mhc_head_weights_bwd_op(
+    streams: torch.Tensor, hc_fn: torch.Tensor, hc_base: torch.Tensor, hc_scale: torch.Tensor, mix: torch.Tensor,
+    rstd: torch.Tensor, grad_pre: torch.Tensor, eps: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return coeffs_backward(streams, hc_fn, hc_base, hc_scale, mix, rstd, (grad_pre,), 1, eps, backend, head=True)
+
+
+@mhc_head_weights_bwd_op.register_fake
+def _(streams, hc_fn, hc_base, hc_scale, mix, rstd, grad_pre, eps, backend):
+    return (torch.empty_like(streams), torch.empty_like(hc_fn), torch.empty_like(hc_base),
+            torch.empty_like(hc_scale))
+
+
+def _head_setup_context(ctx, inputs, output):
+    streams, hc_fn, hc_base, hc_scale, eps, norm_eps, backend = inputs
+    _, mix, rstd = output
+    ctx.save_for_backward(streams, hc_fn, hc_base, hc_scale, mix, rstd)
+    ctx.mark_non_differentiable(mix, rstd)
+    ctx.eps, ctx.backend = eps, backend
+
+
+def _head_backward(ctx, grad_pre, grad_mix, grad_rstd):
+    streams, hc_fn, hc_base, hc_scale, mix, rstd = ctx.saved_tensors
+    grads = mhc_head_weights_bwd_op(streams, hc_fn, hc_base, hc_scale, mix, rstd,
+                                    _zeros_if_none(grad_pre, mix), ctx.eps, ctx.backend)
+    return (*grads, None, None, None)
+
+
+mhc_head_weights_fwd_op.register_autograd(_head_backward, setup_context=_head_setup_context)

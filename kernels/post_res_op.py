@@ -1,0 +1,166 @@
+"""``mhc_post_res``: ``X'[i] = post[i] · y + sum_j comb[j, i] · X[j]``, the sublayer output merged into the streams.
+
+Forward, one kernel: reads ``(n+1)·C`` (the streams and ``y``) and writes ``n·C`` per token, with the coefficients in
+float32. Backward, one kernel walking C once per token block: ``d X[j] = sum_i comb[j, i] · g[i]``,
+``d y = sum_i post[i] · g[i]``, ``d post[i] = <g[i], y>``, ``d comb[j, i] = <X[j], g[i]>``. Saved for backward: the
+streams, ``y``, ``post`` and ``comb``. Reference: ``hf_mhc.mhc_reference.mhc_post_res``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .sinkhorn_op import token_block
+
+POST_RES_BLOCK_T = 4
+POST_RES_BLOCK_C = 128
+
+
+@triton.jit
+def _mhc_post_res_fwd_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, T, C, N: tl.constexpr, NP: tl.constexpr,
+                             BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    outs = tl.arange(0, NP)
+    token_ok = tokens < T
+    out_mask = token_ok[:, None] & (outs < N)[None, :]
+    post = tl.load(post_ptr + tokens[:, None] * N + outs[None, :], mask=out_mask, other=0.0).to(tl.float32)
+    c_range = tl.arange(0, BLOCK_C)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + c_range
+        c_ok = c < C
+        y = tl.load(y_ptr + tokens[:, None] * C + c[None, :], mask=token_ok[:, None] & c_ok[None, :], other=0.0)
+        acc = post[:, :, None] * y.to(tl.float32)[:, None, :]
+        for j in tl.static_range(N):
+            comb_row = tl.load(comb_ptr + tokens[:, None] * (N * N) + j * N + outs[None, :], mask=out_mask, other=0.0)
+            x_j = tl.load(x_ptr + (tokens[:, None] * N + j) * C + c[None, :], mask=token_ok[:, None] & c_ok[None, :],
+                          other=0.0)
+            acc += comb_row.to(tl.float32)[:, :, None] * x_j.to(tl.float32)[:, None, :]
+        offsets = (tokens[:, None, None] * N + outs[None, :, None]) * C + c[None, None, :]
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask[:, :, None] & c_ok[None, None, :])
+
+
+@triton.jit
+def _mhc_post_res_bwd_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, grad_out_ptr, grad_x_ptr, grad_y_ptr, grad_post_ptr,
+                             grad_comb_ptr, T, C, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_C: tl.constexpr):
+    tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    streams = tl.arange(0, NP)
+    token_ok = tokens < T
+    stream_mask = token_ok[:, None] & (streams < N)[None, :]
+    post = tl.load(post_ptr + tokens[:, None] * N + streams[None, :], mask=stream_mask, other=0.0).to(tl.float32)
+    pair_mask = stream_mask[:, :, None] & (streams < N)[None, None, :]
+    pair_offsets = tokens[:, None, None] * (N * N) + streams[None, :, None] * N + streams[None, None, :]
+    comb = tl.load(comb_ptr + pair_offsets, mask=pair_mask, other=0.0).to(tl.float32)  # [t, j, i]
+    grad_post = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
+    grad_comb = tl.zeros((BLOCK_T, NP, NP), dtype=tl.float32)
+    c_range = tl.arange(0, BLOCK_C)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + c_range
+        c_ok = c < C
+        row_mask = token_ok[:, None] & c_ok[None, :]
+        mask = stream_mask[:, :, None] & c_ok[None, None, :]
+        offsets = (tokens[:, None, None] * N + streams[None, :, None]) * C + c[None, None, :]
+        grad_out = tl.load(grad_out_ptr + offsets, mask=mask, other=0.0).to(tl.float32)  # [t, i, c]
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)  # [t, j, c]
+        y = tl.load(y_ptr + tokens[:, None] * C + c[None, :], mask=row_mask, other=0.0).to(tl.float32)
+        grad_post += tl.sum(grad_out * y[:, None, :], axis=2)
+        grad_comb += tl.sum(x[:, :, None, :] * grad_out[:, None, :, :], axis=3)
+        grad_y = tl.sum(post[:, :, None] * grad_out, axis=1)
+        tl.store(grad_y_ptr + tokens[:, None] * C + c[None, :], grad_y.to(grad_y_ptr.dtype.element_ty), mask=row_mask)
+        grad_x = tl.sum(comb[:, :, :, None] * grad_out[:, None, :, :], axis=2)
+        tl.store(grad_x_ptr + offsets, grad_x.to(grad_x_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad_post_ptr + tokens[:, None] * N + streams[None, :], grad_post, mask=stream_mask)
+    tl.store(grad_comb_ptr + pair_offsets, grad_comb, mask=pair_mask)
+
+
+def _launch_grid(tokens: int) -> tuple[tuple[int], int]:
+    block = token_block(POST_RES_BLOCK_T)
+    return (triton.cdiv(tokens, block),), block
+
+
+def _block_c(n: int) -> int:
+    """Columns per step: the backward holds ``[BLOCK_T, n, n, BLOCK_C]`` products, so wide n takes narrower steps."""
+    return max(16, POST_RES_BLOCK_C // triton.next_power_of_2(n))
+
+
+def post_res_forward(streams, y, post, comb, backend):
+    if backend != "triton":
+        mixed = torch.matmul(comb.float().transpose(-1, -2), streams.float())
+        return torch.addcmul(mixed, post.float().unsqueeze(-1), y.float().unsqueeze(-2)).to(streams.dtype)
+    n, hidden = streams.shape[-2:]
+    x = streams.reshape(-1, n, hidden).contiguous()
+    out = torch.empty_like(x)
+    grid, block = _launch_grid(x.shape[0])
+    _mhc_post_res_fwd_kernel[grid](
+        x, y.reshape(-1, hidden).contiguous(), post.reshape(-1, n).float().contiguous(),
+        comb.reshape(-1, n, n).float().contiguous(), out, x.shape[0], hidden, N=n, NP=triton.next_power_of_2(n),
+        BLOCK_T=block, BLOCK_C=POST_RES_BLOCK_C,
+    )
+    return out.view(streams.shape)
+
+
+def post_res_backward(streams, y, post, comb, grad_out, backend):
+    if backend != "triton":
+        grad32, streams32, y32 = grad_out.float(), streams.float(), y.float()
+        grad_streams = torch.matmul(comb.float(), grad32).to(streams.dtype)
+        grad_y = torch.einsum("...i,...ic->...c", post.float(), grad32).to(y.dtype)
+        grad_post = torch.einsum("...ic,...c->...i", grad32, y32)
+        grad_comb = torch.matmul(streams32, grad32.transpose(-1, -2))
+        return grad_streams, grad_y, grad_post, grad_comb
+    n, hidden = streams.shape[-2:]
+    x = streams.reshape(-1, n, hidden).contiguous()
+    tokens = x.shape[0]
+    grad_x = torch.empty_like(x)
+    grad_y = torch.empty(tokens, hidden, device=x.device, dtype=y.dtype)
+    grad_post = torch.empty(tokens, n, device=x.device, dtype=torch.float32)
+    grad_comb = torch.empty(tokens, n, n, device=x.device, dtype=torch.float32)
+    grid, block = _launch_grid(tokens)
+    _mhc_post_res_bwd_kernel[grid](
+        x, y.reshape(-1, hidden).contiguous(), post.reshape(-1, n).float().contiguous(),
+        comb.reshape(-1, n, n).float().contiguous(), grad_out.reshape(-1, n, hidden).contiguous(), grad_x, grad_y,
+        grad_post, grad_comb, tokens, hidden, N=n, NP=triton.next_power_of_2(n), BLOCK_T=block, BLOCK_C=_block_c(n),
+    )
+    return grad_x.view(streams.shape), grad_y.view(y.shape), grad_post.view(post.shape), grad_comb.view(comb.shape)
+
+
+@torch.library.custom_op("hf_mhc::mhc_post_res_fwd", mutates_args=())
+def mhc_post_res_fwd_op(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                        backend: str) -> torch.Tensor:
+    return post_res_forward(streams, y, post, comb, backend)
+
+
+@mhc_post_res_fwd_op.register_fake
+def _(streams, y, post, comb, backend):
+    return torch.empty_like(streams)
+
+
+@torch.library.custom_op("hf_mhc::mhc_post_res_bwd", mutates_args=())
+def mhc_post_res_bwd_op(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                        grad_out: torch.Tensor, backend: str
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return post_res_backward(streams, y, post, comb, grad_out, backend)
+
+
+@mhc_post_res_bwd_op.register_fake
+def _(streams, y, post, comb, grad_out, backend):
+    f32 = torch.float32
+    return (torch.empty_like(streams), torch.empty_like(y), torch.empty_like(post, dtype=f32),
+            torch.empty_like(comb, dtype=f32))
+
+
+def _post_res_setup_context(ctx, inputs, output):
+    streams, y, post, comb, backend = inputs
+    ctx.save_for_backward(streams, y, post, comb)
+    ctx.backend = backend
+
+
+def _post_res_backward(ctx, grad_out):
+    streams, y, post, comb = ctx.saved_tensors
+    grad_streams, grad_y, grad_post, grad_comb = mhc_post_res_bwd_op(streams, y, post, comb, grad_out.contiguous(),
+                                                                     ctx.backend)
+    return grad_streams, grad_y, grad_post.to(post.dtype), grad_comb.to(comb.dtype), None
+
+
+mhc_post_res_fwd_op.register_autograd(_post_res_backward, setup_context=_post_res_setup_context)

@@ -1,0 +1,205 @@
+"""Sinkhorn-Knopp for ``comb``: memory-light torch forward/backward and the Triton tile functions.
+
+The forward is DESIGN §3 (``hf_mhc.mhc_reference.sinkhorn``). Both backwards return the exact gradient of the finite
+iteration (the numbers autograd gives through the unrolled loop) while saving only the ``[..., n, n]`` logits: the
+iterates are recomputed in backward (torch: replayed once into a transient list; Triton: recomputed in registers).
+
+One normalisation step divides ``M`` by ``d = M.sum(axis) + eps``; its backward is
+``dM = (G - sum_axis(G * M_out)) / d``. Step 0 normalises columns, then rows and columns alternate.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_mhc import mhc_reference
+
+
+def sinkhorn_forward_torch(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """``[..., n, n]`` logits -> float32 ``comb`` (the reference formula, run without recording a graph)."""
+    with torch.no_grad():
+        return mhc_reference.sinkhorn(logits, iters, eps)
+
+
+def sinkhorn_backward_torch(logits: torch.Tensor, grad_comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Exact gradient w.r.t. ``logits [..., n, n]`` of ``sinkhorn(logits, iters, eps)`` (float32)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    matrix = probs + eps
+    steps = []  # (normalised matrix, denominator, axis), replayed from the logits
+    for axis in [-2] + [-1, -2] * (iters - 1):
+        denominator = matrix.sum(dim=axis, keepdim=True) + eps
+        matrix = matrix / denominator
+        steps.append((matrix, denominator, axis))
+    grad = grad_comb.float()
+    for matrix, denominator, axis in reversed(steps):
+        grad = (grad - (grad * matrix).sum(dim=axis, keepdim=True)) / denominator
+    return probs * (grad - (grad * probs).sum(dim=-1, keepdim=True))
+
+
+# --- Triton: per-token Sinkhorn on [BLOCK_T, NP, NP] register tiles (NP = padded n, `valid` masks the real n x n) --
+
+
+@triton.jit
+def _softmax_plus_eps(logits, valid, eps):
+    z = tl.where(valid, logits, -1.0e30)
+    z = z - tl.max(z, axis=2)[:, :, None]
+    e = tl.where(valid, tl.exp(z), 0.0)
+    probs = e / tl.maximum(tl.sum(e, axis=2), 1.0)[:, :, None]  # a real row sums to >= 1 (its max gives exp(0))
+    return tl.where(valid, probs, 0.0)
+
+
+@triton.jit
+def _normalise(matrix, step, eps):
+    """Step 0 and every even step normalise columns (axis 1), odd steps rows (axis 2)."""
+    if step % 2 == 0:
+        out = matrix / (tl.sum(matrix, axis=1)[:, None, :] + eps)
+    else:
+        out = matrix / (tl.sum(matrix, axis=2)[:, :, None] + eps)
+    return out
+
+
+@triton.jit
+def sinkhorn_tile_forward(logits, valid, eps, ITERS: tl.constexpr):
+    """``comb`` of a ``[BLOCK_T, NP, NP]`` tile of logits (padding stays 0)."""
+    matrix = tl.where(valid, _softmax_plus_eps(logits, valid, eps) + eps, 0.0)
+    for step in range(0, 2 * ITERS - 1):
+        matrix = _normalise(matrix, step, eps)
+    return matrix
+
+
+@triton.jit
+def sinkhorn_tile_backward(logits, grad_comb, valid, eps, ITERS: tl.constexpr):
+    """Gradient w.r.t. a ``[BLOCK_T, NP, NP]`` tile of logits; each step's input is recomputed from the logits."""
+    probs = _softmax_plus_eps(logits, valid, eps)
+    grad = tl.where(valid, grad_comb, 0.0)
+    n_steps = 2 * ITERS - 1
+    for reverse_step in range(0, n_steps):
+        step = n_steps - 1 - reverse_step
+        matrix = tl.where(valid, probs + eps, 0.0)
+        for earlier in range(0, step):
+            matrix = _normalise(matrix, earlier, eps)
+        if step % 2 == 0:
+            denominator = tl.sum(matrix, axis=1)[:, None, :] + eps
+            out = matrix / denominator
+            grad = (grad - tl.sum(grad * out, axis=1)[:, None, :]) / denominator
+        else:
+            denominator = tl.sum(matrix, axis=2)[:, :, None] + eps
+            out = matrix / denominator
+            grad = (grad - tl.sum(grad * out, axis=2)[:, :, None]) / denominator
+        grad = tl.where(valid, grad, 0.0)  # padding must not carry gradient into the next (eps-sized) denominator
+    return probs * (grad - tl.sum(grad * probs, axis=2)[:, :, None])
+
+
+@triton.jit
+def _tile_offsets(pid, T, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
+    tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = tl.arange(0, NP)
+    cols = tl.arange(0, NP)
+    offsets = tokens[:, None, None] * (N * N) + rows[None, :, None] * N + cols[None, None, :]
+    valid = (rows[None, :, None] < N) & (cols[None, None, :] < N)
+    return offsets, valid & (tokens[:, None, None] < T), valid
+
+
+@triton.jit
+def _sinkhorn_fwd_kernel(logits_ptr, comb_ptr, T, eps, N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr,
+                         BLOCK_T: tl.constexpr):
+    offsets, mask, valid = _tile_offsets(tl.program_id(0), T, N, NP, BLOCK_T)
+    logits = tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(comb_ptr + offsets, sinkhorn_tile_forward(logits, valid, eps, ITERS), mask=mask)
+
+
+@triton.jit
+def _sinkhorn_bwd_kernel(logits_ptr, grad_comb_ptr, grad_logits_ptr, T, eps, N: tl.constexpr, NP: tl.constexpr,
+                         ITERS: tl.constexpr, BLOCK_T: tl.constexpr):
+    offsets, mask, valid = _tile_offsets(tl.program_id(0), T, N, NP, BLOCK_T)
+    logits = tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    grad_comb = tl.load(grad_comb_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(grad_logits_ptr + offsets, sinkhorn_tile_backward(logits, grad_comb, valid, eps, ITERS), mask=mask)
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def token_block(gpu_block: int) -> int:
+    """Tokens per program: ``gpu_block`` on a GPU; 64 in the interpreter, whose cost is per operation, not per element."""
+    return 64 if interpreting() else gpu_block
+
+
+SINKHORN_BLOCK_T = 16
+
+
+def padded_streams(n: int) -> int:
+    """Register width for n streams: a power of two, at least 4 so that an n x n tile has >= 16 entries."""
+    return max(4, triton.next_power_of_2(n))
+
+
+def sinkhorn_forward_triton(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    n = logits.shape[-1]
+    flat = logits.reshape(-1, n, n).float().contiguous()
+    comb = torch.empty_like(flat)
+    block = token_block(SINKHORN_BLOCK_T)
+    _sinkhorn_fwd_kernel[(triton.cdiv(flat.shape[0], block),)](
+        flat, comb, flat.shape[0], eps, N=n, NP=padded_streams(n), ITERS=iters, BLOCK_T=block
+    )
+    return comb.view(logits.shape)
+
+
+def sinkhorn_backward_triton(logits: torch.Tensor, grad_comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    n = logits.shape[-1]
+    flat = logits.reshape(-1, n, n).float().contiguous()
+    grad = grad_comb.reshape(-1, n, n).float().contiguous()
+    grad_logits = torch.empty_like(flat)
+    block = token_block(SINKHORN_BLOCK_T)
+    _sinkhorn_bwd_kernel[(triton.cdiv(flat.shape[0], block),)](
+        flat, grad, grad_logits, flat.shape[0], eps, N=n, NP=padded_streams(n), ITERS=iters, BLOCK_T=block
+    )
+    return grad_logits.view(logits.shape)
+
+
+# --- the op: one autograd definition, two kernel backends ----------------------------------------------------------
+
+
+@torch.library.custom_op("hf_mhc::sinkhorn_fwd", mutates_args=())
+def sinkhorn_fwd_op(logits: torch.Tensor, iters: int, eps: float, backend: str) -> torch.Tensor:
+    if backend == "triton":
+        return sinkhorn_forward_triton(logits, iters, eps)
+    return sinkhorn_forward_torch(logits, iters, eps)
+
+
+@sinkhorn_fwd_op.register_fake
+def _(logits, iters, eps, backend):
+    return torch.empty_like(logits, dtype=torch.float32)
+
+
+@torch.library.custom_op("hf_mhc::sinkhorn_bwd", mutates_args=())
+def sinkhorn_bwd_op(logits: torch.Tensor, grad_comb: torch.Tensor, iters: int, eps: float,
+                    backend: str) -> torch.Tensor:
+    if backend == "triton":
+        return sinkhorn_backward_triton(logits, grad_comb, iters, eps)
+    return sinkhorn_backward_torch(logits, grad_comb, iters, eps)
+
+
+@sinkhorn_bwd_op.register_fake
+def _(logits, grad_comb, iters, eps, backend):
+    return torch.empty_like(logits, dtype=torch.float32)
+
+
+def _sinkhorn_setup_context(ctx, inputs, output):
+    logits, iters, eps, backend = inputs
+    ctx.save_for_backward(logits)
+    ctx.iters, ctx.eps, ctx.backend = iters, eps, backend
+
+
+def _sinkhorn_backward(ctx, grad_comb):
+    (logits,) = ctx.saved_tensors
+    grad_logits = sinkhorn_bwd_op(logits, grad_comb, ctx.iters, ctx.eps, ctx.backend)
+    return grad_logits.to(logits.dtype), None, None, None
+
+
+sinkhorn_fwd_op.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_setup_context)
