@@ -120,7 +120,8 @@ def _mhc_coeffs_bwd_maps_kernel(
     tl.store(grad_z_ptr + tokens[:, None] * N_MIX + vec[None, :], grad_pre * sig * (1.0 - sig), mask=pre_mask)
     if not HEAD:
         mix_post = tl.load(mix_ptr + tokens[:, None] * N_MIX + (N + vec)[None, :], mask=pre_mask, other=0.0)
-        sig = tl.sigmoid(mix_post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + vec, mask=vec_ok, other=0.0)[None, :])
+        post_bias = tl.load(base_ptr + N + vec, mask=vec_ok, other=0.0)
+        sig = tl.sigmoid(mix_post * tl.load(scale_ptr + 1) + post_bias[None, :])
         grad_post = tl.load(grad_post_ptr + tokens[:, None] * N + vec[None, :], mask=pre_mask, other=0.0)
         tl.store(grad_z_ptr + tokens[:, None] * N_MIX + (N + vec)[None, :], 2.0 * grad_post * sig * (1.0 - sig),
                  mask=pre_mask)
@@ -255,9 +256,9 @@ def _streams_grad_triton(streams, fn, grad_raw, correction):
     grad_x = torch.empty_like(x)
     block = token_block(COEFFS_BLOCK_T)
     _mhc_coeffs_bwd_streams_kernel[(triton.cdiv(tokens, block),)](
-        x, fn.float().contiguous(), grad_raw.reshape(tokens, n_mix).contiguous(), correction.reshape(tokens).contiguous(),
-        grad_x, tokens, n * hidden, N_MIX=n_mix, N_MIX_P=max(16, triton.next_power_of_2(n_mix)), BLOCK_T=block,
-        BLOCK_K=COEFFS_BLOCK_K,
+        x, fn.float().contiguous(), grad_raw.reshape(tokens, n_mix).contiguous(),
+        correction.reshape(tokens).contiguous(), grad_x, tokens, n * hidden,
+        N_MIX=n_mix, N_MIX_P=max(16, triton.next_power_of_2(n_mix)), BLOCK_T=block, BLOCK_K=COEFFS_BLOCK_K,
     )
     return grad_x.view(streams.shape)
 

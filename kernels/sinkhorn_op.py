@@ -127,7 +127,7 @@ def interpreting() -> bool:
 
 
 def token_block(gpu_block: int) -> int:
-    """Tokens per program: ``gpu_block`` on a GPU; 64 in the interpreter, whose cost is per operation, not per element."""
+    """Tokens per program: ``gpu_block`` on a GPU, 64 in the interpreter (whose cost is per operation)."""
     return 64 if interpreting() else gpu_block
 
 
