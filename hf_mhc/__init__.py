@@ -28,6 +28,7 @@ AutoModelForCausalLM.register(MHCConfig, MHCForCausalLM, exist_ok=True)
 AutoModelForSequenceClassification.register(MHCConfig, MHCForSequenceClassification, exist_ok=True)
 
 from .conversion import upcycle  # noqa: E402  (needs the classes registered above)
+from .kernels import apply_mhc_kernels  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -41,5 +42,6 @@ __all__ = [
     "MHCHyperHead",
     "MHCModel",
     "MHCPreTrainedModel",
+    "apply_mhc_kernels",
     "upcycle",
 ]

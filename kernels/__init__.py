@@ -2,8 +2,18 @@
 
 if __name__ == "hf_mhc.kernels":
     from .functional import BACKENDS, mhc_coeffs, mhc_head, mhc_post_res, mhc_pre, resolve_backend, sinkhorn
+    from .integrations import apply_mhc_kernels
 
-    __all__ = ["BACKENDS", "mhc_coeffs", "mhc_head", "mhc_post_res", "mhc_pre", "resolve_backend", "sinkhorn"]
+    __all__ = [
+        "BACKENDS",
+        "apply_mhc_kernels",
+        "mhc_coeffs",
+        "mhc_head",
+        "mhc_post_res",
+        "mhc_pre",
+        "resolve_backend",
+        "sinkhorn",
+    ]
 else:
     # Imported as a top-level `kernels` because Python runs from the repository root (its folder is on sys.path).
     # transformers probes for Hugging Face's `kernels` package at import time: stay inert (no version, no imports)

@@ -1,0 +1,76 @@
+"""``apply_mhc_kernels``: run the mHC maps of transformers' own models (DeepSeek-V4, GLM-5-Next) through our ops."""
+
+from __future__ import annotations
+
+from types import MethodType
+
+import torch
+from torch import nn
+
+from .functional import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre, resolve_backend
+
+SUPPORTED_MODELS = "DeepseekV4 (hyper-connections, head and stream merge) and Glm5Next (hyper-connections)"
+
+
+def _hyper_connection_forward(backend: str | None):
+    def forward(self, hidden_streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[B, S, n, D]`` -> ``post [B, S, n]``, ``comb [B, S, n, n]``, ``collapsed [B, S, D]``, as upstream."""
+        pre, post, comb = mhc_coeffs(
+            hidden_streams, self.fn, self.base, self.scale, sinkhorn_iters=self.hc_sinkhorn_iters, eps=self.hc_eps,
+            norm_eps=self.input_norm.eps, backend=backend,
+        )
+        return post, comb, mhc_pre(hidden_streams, pre, backend=backend)
+
+    return forward
+
+
+def _hyper_head_forward(backend: str | None):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return mhc_head(x, self.hc_fn, self.hc_base, self.hc_scale, eps=self.eps, norm_eps=self.input_norm.eps,
+                        backend=backend)
+
+    return forward
+
+
+def _deepseek_v4_decoder_forward(backend: str | None):
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """DeepSeek-V4's decoder layer with both stream merges fused (``mhc_post_res``)."""
+        post, comb, collapsed = self.attn_hc(hidden_states)
+        attn_output, _ = self.self_attn(self.input_layernorm(collapsed), **kwargs)
+        hidden_states = mhc_post_res(hidden_states, attn_output, post, comb, backend=backend)
+        post, comb, collapsed = self.ffn_hc(hidden_states)
+        mlp_output = self.mlp(self.post_attention_layernorm(collapsed), input_ids=input_ids)
+        return mhc_post_res(hidden_states, mlp_output, post, comb, backend=backend)
+
+    return forward
+
+
+def apply_mhc_kernels(model: nn.Module, backend: str | None = None) -> nn.Module:
+    """Patch, in place, a transformers model carrying DeepSeek-V4's hyper-connection design so that its mHC math
+    runs through ``hf_mhc.kernels`` (fused Triton kernels on CUDA, memory-light torch kernels elsewhere).
+
+    DeepSeek-V4: ``DeepseekV4HyperConnection``, ``DeepseekV4HyperHead`` and the stream merge of
+    ``DeepseekV4DecoderLayer``. GLM-5-Next: ``Glm5NextTextHyperConnection`` (its head is a plain mean and its merge
+    stays upstream's). The numbers are unchanged up to float32 rounding. Returns ``model``.
+    """
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dsv4
+    from transformers.models.glm5_next import modeling_glm5_next as glm5
+
+    if backend is not None:
+        resolve_backend(backend, next(model.parameters()))
+    patches = {
+        dsv4.DeepseekV4HyperConnection: _hyper_connection_forward(backend),
+        glm5.Glm5NextTextHyperConnection: _hyper_connection_forward(backend),
+        dsv4.DeepseekV4HyperHead: _hyper_head_forward(backend),
+        dsv4.DeepseekV4DecoderLayer: _deepseek_v4_decoder_forward(backend),
+    }
+    patched = 0
+    for module in model.modules():
+        forward = patches.get(type(module))
+        if forward is not None:
+            module.forward = MethodType(forward, module)
+            patched += 1
+    if patched == 0:
+        raise ValueError(f"apply_mhc_kernels found no hyper-connection module in {type(model).__name__}; "
+                         f"it supports {SUPPORTED_MODELS}.")
+    return model

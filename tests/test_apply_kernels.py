@@ -1,0 +1,75 @@
+"""``apply_mhc_kernels`` on transformers' own mHC models: same logits and gradients as upstream."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextHyperConnection
+
+from hf_mhc import apply_mhc_kernels
+
+
+def tiny_deepseek_v4():
+    config = DeepseekV4Config(
+        vocab_size=67, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, q_lora_rank=16, num_experts_per_tok=2, n_routed_experts=4,
+        n_shared_experts=1, layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe"], o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16,
+        index_topk=4, sliding_window=8, num_nextn_predict_layers=0, qk_rope_head_dim=8, max_position_embeddings=64,
+    )
+    model = DeepseekV4ForCausalLM(config)
+    with torch.no_grad():  # DeepSeek-V4 starts with scale = 1, base = 0: make every map token-dependent and uneven
+        for name, param in model.named_parameters():
+            if "hc" in name and ("base" in name or "scale" in name):
+                param.normal_(0.5, 0.5)
+    return model
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad()
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("backend", [None, "triton"])
+def test_deepseek_v4_logits_and_gradients_are_unchanged(backend):
+    upstream = tiny_deepseek_v4().train()
+    patched = apply_mhc_kernels(copy.deepcopy(upstream), backend=backend)
+    ids = torch.randint(0, 67, (2, 12))
+    logits_ref, grads_ref = loss_and_grads(upstream, ids)
+    logits, grads = loss_and_grads(patched, ids)
+    torch.testing.assert_close(logits, logits_ref, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == grads_ref.keys()
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_glm5_next_hyper_connection_is_unchanged():
+    config = SimpleNamespace(hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6, hidden_size=24)
+    upstream = Glm5NextTextHyperConnection(config)
+    with torch.no_grad():
+        upstream.fn.normal_(0, 0.3)
+        upstream.base.normal_(0, 1)
+        upstream.scale.uniform_(0.5, 1.5)
+    patched = apply_mhc_kernels(copy.deepcopy(upstream))
+    streams = torch.randn(2, 5, 4, 24, requires_grad=True)
+    upstream_out, patched_out = upstream(streams), patched(streams)
+    for ours, theirs in zip(patched_out, upstream_out, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    grads = [torch.randn_like(t) for t in upstream_out]
+    expected = torch.autograd.grad(upstream_out, [streams, upstream.fn], grads)
+    got = torch.autograd.grad(patched_out, [streams, patched.fn], grads)
+    for ours, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_models_without_hyper_connections_are_refused():
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=32))
+    with pytest.raises(ValueError, match="found no hyper-connection module in LlamaForCausalLM"):
+        apply_mhc_kernels(llama)
