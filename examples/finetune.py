@@ -245,6 +245,14 @@ def main(argv: list[str] | None = None) -> int:
 
         from hf_mhc.peft import mhc_lora_config
 
+        if args.upcycle:
+            # The adapter applies to the upcycled model, which exists nowhere else: save it and name it as the base,
+            # so that AutoPeftModelForCausalLM.from_pretrained(OUTPUT_DIR) finds it.
+            base_dir = (Path(args.output_dir) / "upcycled_base").resolve()
+            if training_args.process_index == 0:
+                model.save_pretrained(base_dir)
+                tokenizer.save_pretrained(base_dir)
+            model.name_or_path = str(base_dir)
         lora_config = mhc_lora_config(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
         model = get_peft_model(model, lora_config)
     trainer = Trainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
@@ -287,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mHC stability at the end: composite forward gain {scalars['mhc/composite_forward_gain']:.6f}, "
                   f"backward gain {scalars['mhc/composite_backward_gain']:.6f}, largest |comb row sum - 1| "
                   f"{scalars['mhc/max_comb_row_sum_deviation']:.2e}")
-        saved = "LoRA adapter (with the HC maps)" if args.lora else "model"
+        saved = "model"
+        if args.lora:
+            saved = "LoRA adapter (with the HC maps; load it with peft.AutoPeftModelForCausalLM)"
         merged_note = f"; merged model to {Path(args.output_dir) / 'merged'}" if args.merge_lora else ""
         print(f"saved the {saved} and tokenizer to {args.output_dir}{merged_note}")
     return 0

@@ -517,46 +517,63 @@ class MHCStabilityCallback(TrainerCallback):
         batch = self.trainer.data_collator(examples)
         return torch.as_tensor(batch["input_ids"]), batch.get("attention_mask")
 
-    def _log_report(self, state: TrainerState, control: TrainerControl, model: nn.Module) -> None:
+    def _log_report(self, control: TrainerControl) -> None:
         if self.input_ids is None:
             self.input_ids, self.attention_mask = self._sample_batch()
-        report = stability_report(model, self.input_ids, self.attention_mask)
+        # trainer.model: the model being trained (PEFT-wrapped, or sharded in place by FSDP2), not a DDP wrapper.
+        report = stability_report(self.trainer.model, self.input_ids, self.attention_mask)
         self.last_scalars = report_scalars(report, per_site=self.per_site)
         pending_log = control.should_log  # Trainer.log clears it; the trainer's own log of this step must still run
         self.trainer.log(dict(self.last_scalars))
         control.should_log = pending_log
 
     def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model=None, **kwargs
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs
     ) -> TrainerControl:
-        self._log_report(state, control, model)
+        self._log_report(control)
         return control
 
     def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model=None, **kwargs
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs
     ) -> TrainerControl:
         if state.global_step % self.every_n_steps == 0 or state.global_step == state.max_steps:
-            self._log_report(state, control, model)
+            self._log_report(control)
         return control
 
 
-def _load_for_inspection(checkpoint: str, device: str, dtype: str) -> tuple[nn.Module, Any]:
+def _load_for_inspection(checkpoint: str, device: torch.device, dtype: str) -> tuple[nn.Module, Any]:
+    """The mHC model of ``checkpoint`` (a model folder / Hub id, or a PEFT adapter folder on an mHC base) and its
+    tokenizer (``None`` when there is none)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     import hf_mhc  # noqa: F401  (registers model_type "mhc" with the Auto classes)
 
-    config = AutoConfig.from_pretrained(checkpoint)
-    if config.model_type != "mhc":
-        raise ValueError(
-            f"{checkpoint} is a {config.model_type!r} model, not an mHC one: upcycle it first (hf_mhc.upcycle)."
-        )
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype).to(device).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    except (OSError, ValueError):
-        tokenizer = None
-    return model, tokenizer
+    is_adapter = (Path(checkpoint) / "adapter_config.json").is_file()
+    base = checkpoint
+    if is_adapter:
+        from peft import PeftConfig
+
+        base = PeftConfig.from_pretrained(checkpoint).base_model_name_or_path
+        if base is None:
+            raise ValueError(f"the PEFT adapter {checkpoint} does not name its base model (base_model_name_or_path)")
+    model_type = AutoConfig.from_pretrained(base).model_type
+    if model_type != "mhc":
+        raise ValueError(f"{base} is a {model_type!r} model, not an mHC one: upcycle it first (hf_mhc.upcycle)")
+    if is_adapter:
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype)
+    tokenizer = None
+    for source in dict.fromkeys((checkpoint, base)):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            break
+        except (OSError, ValueError):
+            continue
+    return model.to(device).eval(), tokenizer
 
 
 DEFAULT_INSPECT_TEXT = (
@@ -569,17 +586,18 @@ DEFAULT_INSPECT_TEXT = (
 def inspect_main(argv: list[str] | None = None) -> int:
     """``hf-mhc inspect CHECKPOINT [--text TEXT] [--plot DIR] [--json FILE]``: print an mHC checkpoint's stability.
 
-    Loads the checkpoint, runs :func:`stability_report` on the text (tokenised with the checkpoint's tokenizer;
-    without one, 64 random token ids with seed 0), prints the table of :func:`format_report` and optionally writes
-    the report as JSON and PNG plots (:func:`plot_report`, needs matplotlib). Returns the exit status: 0 on success,
-    1 when the checkpoint or input cannot be used (a one-line ``error:`` message on stderr).
+    Loads the checkpoint (an mHC model, or a PEFT adapter whose base is one), runs :func:`stability_report` on the
+    text (tokenised with the checkpoint's tokenizer; without one, 64 random token ids with seed 0), prints the table of
+    :func:`format_report` and optionally writes the report as JSON and PNG plots (:func:`plot_report`, needs
+    matplotlib). Returns the exit status: 0 on success, 1 when the checkpoint or input cannot be used (a one-line
+    ``error:`` message on stderr).
     """
     parser = argparse.ArgumentParser(
         prog="hf-mhc inspect",
         description="Stability diagnostics of an mHC checkpoint: gains of the residual mixing per layer and over "
         "depth, Sinkhorn deviations, stream collapse, pre/post ranges.",
     )
-    parser.add_argument("checkpoint", help="mHC model folder or Hub id")
+    parser.add_argument("checkpoint", help="mHC model folder or Hub id, or a PEFT adapter folder on an mHC model")
     parser.add_argument("--text", default=None, help="text to run the model on (default: a fixed English passage)")
     parser.add_argument("--plot", metavar="DIR", default=None, help="write overview.png and layer_{i}.png to DIR")
     parser.add_argument("--json", metavar="FILE", default=None, help="write the full report as JSON to FILE")
@@ -598,13 +616,20 @@ def inspect_main(argv: list[str] | None = None) -> int:
         except ImportError:
             return fail("--plot needs matplotlib: pip install matplotlib")
     try:
-        model, tokenizer = _load_for_inspection(args.checkpoint, args.device, args.dtype)
+        device = torch.device(args.device)
+    except RuntimeError:
+        return fail(f"--device {args.device!r} is not a torch device")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return fail("--device cuda: CUDA is not available on this machine")
+    try:
+        model, tokenizer = _load_for_inspection(args.checkpoint, device, args.dtype)
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return fail(f"cannot load {args.checkpoint}: {first_line}")
 
     if tokenizer is not None:
-        input_ids = tokenizer(args.text or DEFAULT_INSPECT_TEXT, return_tensors="pt")["input_ids"]
+        text = DEFAULT_INSPECT_TEXT if args.text is None else args.text
+        input_ids = tokenizer(text, return_tensors="pt")["input_ids"]
         if input_ids.numel() == 0:
             return fail("--text is empty after tokenisation.")
     elif args.text is not None:

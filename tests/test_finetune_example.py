@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import JANEAUSTEN, STORIES260K, tiny_backbone_config
 from hf_mhc.conversion import is_hc_parameter
+from peft import AutoPeftModelForCausalLM
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -88,15 +90,18 @@ def test_lora_fine_tuning_of_an_upcycled_model_saves_an_adapter_with_the_hc_maps
         keys = set(adapter.keys())
     assert any("lora_A" in key for key in keys)
     assert len({key for key in keys if is_hc_parameter(key)}) == 2 * 2 * 3 + 3  # every HC tensor of the model
-    merged = AutoModelForCausalLM.from_pretrained(out / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
     assert type(merged) is hf_mhc.MHCForCausalLM and merged.config.hc_mult == 2
+    # The adapter names the saved upcycled model as its base, so it loads on its own.
+    adapter_model = AutoPeftModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(3, merged.config.get_text_config().vocab_size, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(adapter_model(input_ids=ids).logits, merged(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_accelerate_launch_with_the_single_process_config(tiny_llama_dir, text_files, tmp_path):
-    if STORIES260K.is_dir() and JANEAUSTEN.is_dir():  # the real pretrained Llama on one real novel
-        model_args = ["--model", str(STORIES260K), "--upcycle", "--dataset", str(JANEAUSTEN / "persuasion.txt")]
-    else:
-        model_args = ["--model", str(tiny_llama_dir), "--upcycle", "--dataset", str(text_files / "*.txt")]
+    model = STORIES260K if STORIES260K.is_dir() else tiny_llama_dir  # the real pretrained Llama when present
+    model_args = ["--model", str(model), "--upcycle", "--dataset", str(text_files / "*.txt")]
     out = tmp_path / "out"
     output = run(
         [
@@ -160,3 +165,21 @@ def test_bad_input_gets_a_one_line_error(example, tiny_llama_dir, text_files, tm
     hf_mhc.upcycle(LlamaForCausalLM(tiny_backbone_config("llama"))).save_pretrained(mhc_dir)
     assert "already an mHC checkpoint" in usage_error(example, ["--model", str(mhc_dir), "--upcycle"], capsys)
     assert "--merge-lora needs --lora" in usage_error(example, [*upcycle, "--merge-lora"], capsys)
+
+
+def test_defaults_are_the_shared_assets_when_present_else_need_no_download(example, tmp_path, monkeypatch, capsys):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets_cache")
+    if STORIES260K.is_dir():
+        parser, args = example.parse_args([])
+        assert args.model == str(STORIES260K) and args.upcycle
+    else:
+        assert "--model is required" in usage_error(example, [], capsys)
+        parser, args = example.parse_args(["--model", "any"])
+    texts, description = example.load_texts(parser, args)
+    if JANEAUSTEN.is_dir():
+        assert description.startswith("6 local file(s)") and len(texts) > 10_000
+        assert any("truth universally acknowledged" in text for text in texts["text"][:20_000])
+    else:
+        assert description == "Python's pydoc_data help texts" and len(texts) > 1_000

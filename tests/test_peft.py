@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import VOCAB, tiny_backbone_config
@@ -13,6 +15,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import hf_mhc
+from hf_mhc.diagnostics import inspect_main
 from hf_mhc.peft import BACKBONE_PROJECTIONS, HC_MODULE_NAMES, mhc_lora_config
 
 
@@ -92,6 +95,12 @@ def test_lora_trains_the_hc_maps_and_saves_reloads_and_merges_them(upcycled_dir,
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, trained_logits, rtol=0, atol=1e-6)
     assert all(torch.equal(tensor, hc_after[name]) for name, tensor in hc_state(reloaded).items())
+
+    # hf-mhc inspect reads the adapter folder too (its base is the mHC model it was trained on).
+    assert inspect_main([str(tmp_path / "adapter"), "--json", str(tmp_path / "report.json")]) == 0
+    inspected = json.loads((tmp_path / "report.json").read_text())["summary"]
+    # The trained HC maps, not the base's: the upcycled base has pre = 1/4 exactly at every site.
+    assert max(inspected["pre_max"] - 0.25, 0.25 - inspected["pre_min"]) > 1e-3
 
     merged = reloaded.merge_and_unload()
     assert type(merged) is hf_mhc.MHCForCausalLM
