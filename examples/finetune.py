@@ -16,6 +16,10 @@ Default: Jane Austen's novels from ../shared/assets/janeausten/*.txt when presen
 Every --stability-every steps the mHC stability report (hf_mhc.diagnostics) is logged next to the loss: the
 composite forward / backward gain of the residual mixing, how far comb is from doubly stochastic, how alike the
 streams are, and the pre / post ranges, as mhc/* scalars for TensorBoard or W&B (--report-to).
+
+Output (--output-dir): the fine-tuned model and tokenizer; with --lora the adapter instead (it carries the HC maps,
+trained in full; load it with peft.AutoPeftModelForCausalLM), plus upcycled_base/ when the base was upcycled here
+and merged/ with --merge-lora.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     train.add_argument("--lr", type=float, default=None, help="peak learning rate (default 5e-4, 2e-3 with --lora)")
     train.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default steps // 10)")
     train.add_argument("--weight-decay", type=float, default=0.0)
-    train.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (HC weights stay float32)")
+    train.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast, float32 master weights)")
     train.add_argument("--gradient-checkpointing", action="store_true")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--output-dir", default="outputs/finetune", help="where the model or adapter is saved")
@@ -136,7 +140,10 @@ def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> hf_
     if model_type not in hf_mhc.SUPPORTED_BACKBONES:
         parser.error(f"cannot upcycle a {model_type!r} model; supported: {', '.join(hf_mhc.SUPPORTED_BACKBONES)}")
     source = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    return hf_mhc.upcycle(source, hc_mult=args.hc_mult or 4)
+    try:
+        return hf_mhc.upcycle(source, hc_mult=4 if args.hc_mult is None else args.hc_mult)
+    except ValueError as exc:
+        parser.error(f"cannot upcycle {args.model}: {str(exc).strip().splitlines()[0]}")
 
 
 def pydoc_texts() -> Dataset:

@@ -154,6 +154,9 @@ def test_bad_input_gets_a_one_line_error(example, tiny_llama_dir, text_files, tm
     assert "add --upcycle" in usage_error(example, ["--model", str(tiny_llama_dir)], capsys)
     assert "--hc-mult only applies" in usage_error(example, ["--model", str(tiny_llama_dir), "--hc-mult", "2"], capsys)
     assert "cannot load --model" in usage_error(example, ["--model", str(tmp_path / "missing")], capsys)
+    assert "hc_mult must be an integer from 1 to 8" in usage_error(
+        example, ["--model", str(tiny_llama_dir), "--upcycle", "--hc-mult", "9"], capsys
+    )
     assert "--steps must be >= 1" in usage_error(example, ["--model", str(tiny_llama_dir), "--steps", "0"], capsys)
     upcycle = ["--model", str(tiny_llama_dir), "--upcycle"]
     assert "no such file" in usage_error(example, [*upcycle, "--dataset", str(tmp_path / "none/*.txt")], capsys)
