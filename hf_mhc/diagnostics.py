@@ -583,20 +583,15 @@ DEFAULT_INSPECT_TEXT = (
 )
 
 
-def inspect_main(argv: list[str] | None = None) -> int:
-    """``hf-mhc inspect CHECKPOINT [--text TEXT] [--plot DIR] [--json FILE]``: print an mHC checkpoint's stability.
+INSPECT_PROG = "hf-mhc inspect"
+INSPECT_DESCRIPTION = (
+    "Stability diagnostics of an mHC checkpoint: gains of the residual mixing per layer and over depth, Sinkhorn "
+    "deviations, stream collapse, pre/post ranges."
+)
 
-    Loads the checkpoint (an mHC model, or a PEFT adapter whose base is one), runs :func:`stability_report` on the
-    text (tokenised with the checkpoint's tokenizer; without one, 64 random token ids with seed 0), prints the table of
-    :func:`format_report` and optionally writes the report as JSON and PNG plots (:func:`plot_report`, needs
-    matplotlib). Returns the exit status: 0 on success, 1 when the checkpoint or input cannot be used (a one-line
-    ``error:`` message on stderr).
-    """
-    parser = argparse.ArgumentParser(
-        prog="hf-mhc inspect",
-        description="Stability diagnostics of an mHC checkpoint: gains of the residual mixing per layer and over "
-        "depth, Sinkhorn deviations, stream collapse, pre/post ranges.",
-    )
+
+def add_inspect_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``hf-mhc inspect`` arguments to ``parser`` (e.g. a subcommand parser) and return it."""
     parser.add_argument("checkpoint", help="mHC model folder or Hub id, or a PEFT adapter folder on an mHC model")
     parser.add_argument("--text", default=None, help="text to run the model on (default: a fixed English passage)")
     parser.add_argument("--plot", metavar="DIR", default=None, help="write overview.png and layer_{i}.png to DIR")
@@ -604,10 +599,30 @@ def inspect_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"),
                         help="dtype of the backbone weights (HC weights stay float32; default float32)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def inspect_main(argv: list[str] | None = None) -> int:
+    """``hf-mhc inspect CHECKPOINT [--text TEXT] [--plot DIR] [--json FILE]``: print an mHC checkpoint's stability.
+
+    Parses ``argv`` (default ``sys.argv[1:]``) and runs :func:`run_inspect`; returns the exit status.
+    """
+    parser = add_inspect_arguments(argparse.ArgumentParser(prog=INSPECT_PROG, description=INSPECT_DESCRIPTION))
+    return run_inspect(parser.parse_args(argv))
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """Run ``hf-mhc inspect`` on parsed arguments (see :func:`add_inspect_arguments`).
+
+    Loads the checkpoint (an mHC model, or a PEFT adapter whose base is one), runs :func:`stability_report` on the
+    text (tokenised with the checkpoint's tokenizer; without one, 64 random token ids with seed 0), prints the table of
+    :func:`format_report` and optionally writes the report as JSON and PNG plots (:func:`plot_report`, needs
+    matplotlib). Returns the exit status: 0 on success, 1 when the checkpoint or input cannot be used (one
+    ``hf-mhc inspect: error: ...`` line on stderr).
+    """
 
     def fail(message: str) -> int:
-        print(f"error: {message}", file=sys.stderr)
+        print(f"{INSPECT_PROG}: error: {message}", file=sys.stderr)
         return 1
 
     if args.plot is not None:
@@ -656,11 +671,13 @@ __all__ = [
     "HCCapture",
     "HCSiteMaps",
     "MHCStabilityCallback",
+    "add_inspect_arguments",
     "capture_hc_maps",
     "format_report",
     "inspect_main",
     "mean_pairwise_stream_cosine",
     "plot_report",
     "report_scalars",
+    "run_inspect",
     "stability_report",
 ]

@@ -15,10 +15,12 @@ from hf_mhc import MHCConfig, MHCForCausalLM
 from hf_mhc.diagnostics import (
     SITE_SCALARS,
     MHCStabilityCallback,
+    add_inspect_arguments,
     capture_hc_maps,
     format_report,
     inspect_main,
     report_scalars,
+    run_inspect,
     stability_report,
 )
 
@@ -230,15 +232,27 @@ def test_inspect_cli_prints_the_table_for_a_checkpoint_without_tokenizer(tmp_pat
     assert report["hc_mult"] == 3 and len(report["sites"]) == 6 and report["num_tokens"] == 64
 
 
+def test_inspect_arguments_plug_into_a_subcommand_parser(tmp_path, capsys):
+    import argparse
+
+    mhc_model(hc_mult=2).save_pretrained(tmp_path / "mhc")
+    parser = argparse.ArgumentParser(prog="hf-mhc")
+    subcommands = parser.add_subparsers(dest="command", required=True)
+    add_inspect_arguments(subcommands.add_parser("inspect")).set_defaults(run=run_inspect)
+    args = parser.parse_args(["inspect", str(tmp_path / "mhc"), "--device", "cpu"])
+    assert args.run(args) == 0
+    assert "n = 2 streams, 3 layers" in capsys.readouterr().out
+
+
 def test_inspect_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
     assert inspect_main([str(tmp_path / "missing")]) == 1
-    assert capsys.readouterr().err.startswith("error: cannot load")
+    assert capsys.readouterr().err.startswith("hf-mhc inspect: error: cannot load")
     LlamaForCausalLM(tiny_backbone_config("llama")).save_pretrained(tmp_path / "llama")
     mhc_model().save_pretrained(tmp_path / "mhc")
     capsys.readouterr()  # drop the save progress bars
     assert inspect_main([str(tmp_path / "llama")]) == 1
     message = capsys.readouterr().err
-    assert message.startswith("error: ") and "not an mHC" in message and message.count("\n") == 1
+    assert message.startswith("hf-mhc inspect: error: ") and "not an mHC" in message and message.count("\n") == 1
     assert inspect_main([str(tmp_path / "mhc"), "--text", "hello"]) == 1
     assert "no tokenizer" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib", None)
