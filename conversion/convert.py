@@ -17,6 +17,7 @@ import re
 import secrets
 import shutil
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -327,7 +328,7 @@ def write_weights(
     return (*names, "model.safetensors.index.json")
 
 
-def _output_chunks(planned: PlannedTensor, reader: TensorReader):
+def _output_chunks(planned: PlannedTensor, reader: TensorReader) -> Iterator[torch.Tensor]:
     if planned.value is not None:
         yield planned.value
         return

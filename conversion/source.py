@@ -23,6 +23,8 @@ SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
 PICKLE_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 
+# Bytes read through one memory map of a safetensors file before it is re-opened (see TensorReader).
+REMAP_BYTES = 64 * 2**20
 # What a Hub download fetches before the weights: configs, indexes, tokenizer and chat-template files.
 HUB_METADATA_PATTERNS: tuple[str, ...] = ("*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja")
 
@@ -218,19 +220,26 @@ def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
 
 
 class TensorReader:
-    """Reads source tensors as row blocks of bounded size, keeping one source file open at a time."""
+    """Reads source tensors as row blocks of bounded size, keeping one source file open at a time.
+
+    Safetensors files are memory-mapped, and the pages read stay resident while the map is open; the file is
+    re-opened after every :data:`REMAP_BYTES` read, so resident memory stays bounded whatever the shard size.
+    """
 
     def __init__(self, checkpoint: SourceCheckpoint):
         self.checkpoint = checkpoint
+        self.remap_bytes = REMAP_BYTES
         self._stack = ExitStack()
         self._open_file: str | None = None
         self._handle = None
+        self._bytes_since_open = 0
 
     def _select(self, file: str) -> None:
-        if file == self._open_file:
+        stale_map = self.checkpoint.format == "safetensors" and self._bytes_since_open >= self.remap_bytes
+        if file == self._open_file and not stale_map:
             return
         self._stack.close()
-        self._handle, self._open_file = None, None
+        self._handle, self._open_file, self._bytes_since_open = None, None, 0
         path = self.checkpoint.folder / file
         if self.checkpoint.format == "pickle":
             self._handle = _load_pickle(path)
@@ -243,14 +252,17 @@ class TensorReader:
 
     def chunks(self, tensor: SourceTensor, chunk_bytes: int) -> Iterator[torch.Tensor]:
         """``tensor`` as consecutive blocks along dim 0, each at most ``chunk_bytes`` (or one row) in memory."""
-        self._select(tensor.file)
         row_bytes = math.prod(tensor.shape[1:]) * tensor.dtype.itemsize
         if not tensor.shape or tensor.shape[0] == 0 or row_bytes == 0:
+            self._select(tensor.file)
             yield self._read(tensor.name, None, None)
             return
         rows_per_chunk = max(1, chunk_bytes // row_bytes)
         for start in range(0, tensor.shape[0], rows_per_chunk):
-            yield self._read(tensor.name, start, min(start + rows_per_chunk, tensor.shape[0]))
+            self._select(tensor.file)
+            block = self._read(tensor.name, start, min(start + rows_per_chunk, tensor.shape[0]))
+            self._bytes_since_open += block.numel() * block.element_size()
+            yield block
 
     def _read(self, name: str, start: int | None, stop: int | None) -> torch.Tensor:
         if self.checkpoint.format == "pickle":

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import hf_mhc.conversion.convert as convert_module
+import hf_mhc.conversion.source as source_module
 import huggingface_hub.constants
 import pytest
 import torch
@@ -60,8 +61,9 @@ def leftovers(parent: Path) -> list[str]:
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Read source tensors in 256-byte blocks, so tiny tensors take the multi-chunk streaming path."""
+    """Read source tensors in 256-byte blocks and re-map source files every 4 KB, as large checkpoints do."""
     monkeypatch.setattr(convert_module, "CHUNK_BYTES", 256)
+    monkeypatch.setattr(source_module, "REMAP_BYTES", 4096)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
