@@ -245,7 +245,7 @@ def _per_column(scale, n, head):
 
 def _streams_grad_torch(streams, fn, grad_raw, correction):
     flat = streams.flatten(-2).float()
-    grad_flat = grad_raw @ fn.float() + correction.unsqueeze(-1) * flat
+    grad_flat = (grad_raw @ fn.float()).addcmul_(correction.unsqueeze(-1), flat)
     return grad_flat.to(streams.dtype).view(streams.shape)
 
 
