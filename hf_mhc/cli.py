@@ -1,8 +1,8 @@
-"""The ``hf-mhc`` command line.
+"""The ``hf-mhc`` command line: ``convert`` (a residual checkpoint into an mHC one), ``inspect`` (stability report).
 
 Each subcommand is added by a ``_add_<name>`` function that registers its arguments and a ``run`` handler
 returning the exit status. Bad input ends with one ``hf-mhc <command>: error: ...`` line on stderr and status 1;
-an interruption (Ctrl-C, SIGTERM) with status 130.
+an interrupted conversion (Ctrl-C, SIGTERM) with status 130.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hf-mhc {__version__}")
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_convert(subcommands)
+    _add_inspect(subcommands)
     return parser
 
 
@@ -71,6 +72,15 @@ def _add_convert(subcommands: argparse._SubParsersAction) -> None:
         help="read pickled pytorch_model*.bin weights (with torch.load(weights_only=True))",
     )
     parser.set_defaults(run=_run_convert)
+
+
+def _add_inspect(subcommands: argparse._SubParsersAction) -> None:
+    from .diagnostics import INSPECT_DESCRIPTION, add_inspect_arguments, run_inspect
+
+    parser = subcommands.add_parser(
+        "inspect", help="stability diagnostics of an mHC checkpoint", description=INSPECT_DESCRIPTION
+    )
+    add_inspect_arguments(parser).set_defaults(run=run_inspect)
 
 
 def _run_convert(args: argparse.Namespace) -> int:

@@ -389,3 +389,12 @@ def test_stream_writer_aligns_mixed_dtypes(tmp_path):
     with pytest.raises(RuntimeError, match="wrote 8 bytes, declared 12"):
         with SafetensorsStreamWriter(tmp_path / "short.safetensors", [TensorSpec("x", torch.float32, (3,))]) as w:
             w.write_tensor("x", [torch.zeros(2)])
+
+
+def test_converted_checkpoint_goes_through_hf_mhc_inspect(tmp_path, capsys):
+    save_source(tmp_path / "src", "qwen2")
+    status, _, err = convert(capsys, tmp_path / "src", tmp_path / "out", "--no-verify")
+    assert status == 0, err
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "out")]) == 0
+    assert "layer" in capsys.readouterr().out.lower()
