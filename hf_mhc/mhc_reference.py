@@ -35,8 +35,10 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    """``RMSNorm(flat) @ fn.T``: ``[..., n, C]`` streams and ``fn [m, n*C]`` -> float32 ``[..., m]``."""
-    return F.linear(normalized_flat_streams(streams, norm_eps), fn.float())
+    """``RMSNorm(flat) @ fn.T``: ``[..., n, C]`` streams and ``fn [m, n*C]`` -> float32 ``[..., m]`` (also under
+    ``torch.autocast``, which would otherwise run the projection in bf16)."""
+    with torch.autocast(device_type=streams.device.type, enabled=False):
+        return F.linear(normalized_flat_streams(streams, norm_eps), fn.float())
 
 
 def mhc_maps(

@@ -27,6 +27,7 @@ from .sinkhorn_op import (
     sinkhorn_tile_backward,
     sinkhorn_tile_forward,
     token_block,
+    without_autocast,
 )
 
 COEFFS_BLOCK_T = 16
@@ -263,6 +264,7 @@ def _streams_grad_triton(streams, fn, grad_raw, correction):
     return grad_x.view(streams.shape)
 
 
+@without_autocast
 def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, backend, head):
     """``(d streams, d fn, d base, d scale)`` from the gradients of the maps (``pre[, post, comb]``)."""
     n, hidden = streams.shape[-2:]
@@ -280,6 +282,7 @@ def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, back
     return grad_streams, grad_fn.to(fn.dtype), grad_base.to(base.dtype), grad_scale.to(scale.dtype)
 
 
+@without_autocast
 def coeffs_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, head):
     """``(pre, post, comb, mix, rstd)`` for a sublayer, ``(pre_h, mix, rstd)`` for the head."""
     if backend == "triton":

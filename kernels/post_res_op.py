@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sinkhorn_op import token_block
+from .sinkhorn_op import token_block, without_autocast
 
 POST_RES_BLOCK_T = 4
 POST_RES_BLOCK_C = 128
@@ -85,10 +85,11 @@ def _block_c(n: int) -> int:
     return max(16, POST_RES_BLOCK_C // triton.next_power_of_2(n))
 
 
+@without_autocast
 def post_res_forward(streams, y, post, comb, backend):
     if backend != "triton":
         mixed = torch.matmul(comb.float().transpose(-1, -2), streams.float())
-        return torch.addcmul(mixed, post.float().unsqueeze(-1), y.float().unsqueeze(-2)).to(streams.dtype)
+        return mixed.addcmul_(post.float().unsqueeze(-1), y.float().unsqueeze(-2)).to(streams.dtype)
     n, hidden = streams.shape[-2:]
     x = streams.reshape(-1, n, hidden).contiguous()
     out = torch.empty_like(x)
@@ -101,6 +102,7 @@ def post_res_forward(streams, y, post, comb, backend):
     return out.view(streams.shape)
 
 
+@without_autocast
 def post_res_backward(streams, y, post, comb, grad_out, backend):
     if backend != "triton":
         grad32, streams32, y32 = grad_out.float(), streams.float(), y.float()

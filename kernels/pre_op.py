@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sinkhorn_op import token_block
+from .sinkhorn_op import token_block, without_autocast
 
 PRE_BLOCK_T = 4
 PRE_BLOCK_C = 256
@@ -64,6 +64,7 @@ def _launch_grid(tokens: int) -> tuple[int, int]:
     return (triton.cdiv(tokens, block),), block
 
 
+@without_autocast
 def pre_forward(streams: torch.Tensor, pre: torch.Tensor, backend: str) -> torch.Tensor:
     if backend != "triton":
         return torch.einsum("...i,...ic->...c", pre.float(), streams.float()).to(streams.dtype)
@@ -76,6 +77,7 @@ def pre_forward(streams: torch.Tensor, pre: torch.Tensor, backend: str) -> torch
     return out.view(*streams.shape[:-2], hidden)
 
 
+@without_autocast
 def pre_backward(streams, pre, grad_out, backend):
     if backend != "triton":
         grad_out32 = grad_out.float()

@@ -10,6 +10,7 @@ One normalisation step divides ``M`` by ``d = M.sum(axis) + eps``; its backward 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -19,12 +20,27 @@ import triton.language as tl
 from hf_mhc import mhc_reference
 
 
+def without_autocast(function):
+    """Run ``function`` with autocast off on its tensors' device: the mHC coefficient math stays float32 even inside
+    ``torch.autocast`` (which would otherwise run its matmuls in bf16)."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        device = next(a for a in args if isinstance(a, torch.Tensor)).device.type
+        with torch.autocast(device_type=device, enabled=False):
+            return function(*args, **kwargs)
+
+    return wrapper
+
+
+@without_autocast
 def sinkhorn_forward_torch(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """``[..., n, n]`` logits -> float32 ``comb`` (the reference formula, run without recording a graph)."""
     with torch.no_grad():
         return mhc_reference.sinkhorn(logits, iters, eps)
 
 
+@without_autocast
 def sinkhorn_backward_torch(logits: torch.Tensor, grad_comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Exact gradient w.r.t. ``logits [..., n, n]`` of ``sinkhorn(logits, iters, eps)`` (float32)."""
     probs = torch.softmax(logits.float(), dim=-1)

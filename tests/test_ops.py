@@ -267,3 +267,16 @@ def test_shape_errors_are_clear():
         mhc_post_res(x, torch.randn(1, 2, 5), torch.rand(1, 2, 3), torch.rand(1, 2, 3, 3))
     with pytest.raises(ValueError, match="square"):
         sinkhorn(torch.randn(2, 3), 5, 1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_coefficients_stay_float32_under_autocast(backend):
+    x = torch.randn(1, 6, 4, 16)
+    fn, base, scale = random_hc_params(4, 16)
+    expected = mhc_coeffs(x, fn, base, scale, sinkhorn_iters=5, eps=HC_EPS, norm_eps=NORM_EPS, backend=backend)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        got = mhc_coeffs(x, fn, base, scale, sinkhorn_iters=5, eps=HC_EPS, norm_eps=NORM_EPS, backend=backend)
+        merged = mhc_post_res(x, torch.randn(1, 6, 16), *got[1:], backend=backend)
+    for ours, ref in zip(got, expected, strict=True):
+        torch.testing.assert_close(ours, ref, atol=0, rtol=0)
+    assert merged.dtype == torch.float32
