@@ -39,6 +39,10 @@ class MHCConfig(PreTrainedConfig):
         hc_init_dynamic_scale (`float`, defaults to 0.01):
             initial `scale` of the dynamic (token-dependent) part. Non-zero so that `fn = 0` gets a gradient;
             small, as in the mHC paper, so that early updates of `fn` perturb the maps gently.
+        hc_recompute (`bool`, defaults to `False`):
+            selective recomputation (mHC paper §4.3.2): store, per decoder layer, only the streams entering it and
+            the two sublayer outputs; the coefficients, the collapsed sublayer inputs and the streams between the two
+            sublayers are recomputed in backward. Composes with gradient checkpointing.
 
     Example:
 
@@ -61,6 +65,7 @@ class MHCConfig(PreTrainedConfig):
     hc_init_post_delta: float = 0.1
     hc_init_comb_diag: float = 2.0
     hc_init_dynamic_scale: float = 0.01
+    hc_recompute: bool = False
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):

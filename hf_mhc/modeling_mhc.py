@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
@@ -138,6 +139,7 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         self.mlp = parts.mlp(backbone)
         self.input_layernorm = parts.norm(backbone.hidden_size, eps=backbone.rms_norm_eps)
         self.post_attention_layernorm = parts.norm(backbone.hidden_size, eps=backbone.rms_norm_eps)
+        self.hc_recompute = config.hc_recompute
         self.attn_hc = MHCHyperConnection(config, sublayer_index=2 * layer_idx)
         self.ffn_hc = MHCHyperConnection(config, sublayer_index=2 * layer_idx + 1)
 
@@ -151,21 +153,45 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        pre, post, comb = self.attn_hc(hidden_states)
-        attn_output, attn_weights = self.self_attn(
-            hidden_states=self.input_layernorm(mhc_pre(hidden_states, pre)),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-        hidden_states = mhc_post_res(hidden_states, attn_output, post, comb)
+        attention_kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                                use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        if self.hc_recompute and torch.is_grad_enabled():
+            return self._forward_recomputing_mhc(hidden_states, attention_kwargs)
+        attn_input, attn_post, attn_comb = self._enter_attention(hidden_states)
+        attn_output, attn_weights = self.self_attn(hidden_states=attn_input, **attention_kwargs)
+        hidden_states = mhc_post_res(hidden_states, attn_output, attn_post, attn_comb)
+        mlp_input, mlp_post, mlp_comb = self._enter_mlp(hidden_states)
+        return mhc_post_res(hidden_states, self.mlp(mlp_input), mlp_post, mlp_comb), attn_weights
 
-        pre, post, comb = self.ffn_hc(hidden_states)
-        mlp_output = self.mlp(self.post_attention_layernorm(mhc_pre(hidden_states, pre)))
-        return mhc_post_res(hidden_states, mlp_output, post, comb), attn_weights
+    def _enter_attention(self, streams: torch.Tensor):
+        """Coefficients of the attention site and its normalised input ``[B, T, C]``."""
+        pre, post, comb = self.attn_hc(streams)
+        return self.input_layernorm(mhc_pre(streams, pre)), post, comb
+
+    def _enter_mlp(self, streams: torch.Tensor):
+        pre, post, comb = self.ffn_hc(streams)
+        return self.post_attention_layernorm(mhc_pre(streams, pre)), post, comb
+
+    def _between(self, streams, attn_output, attn_post, attn_comb):
+        """The streams between the two sublayers and the MLP site's entry, from the layer's input."""
+        return self._enter_mlp(mhc_post_res(streams, attn_output, attn_post, attn_comb))
+
+    def _exit(self, streams, attn_output, attn_post, attn_comb, mlp_output, mlp_post, mlp_comb):
+        middle = mhc_post_res(streams, attn_output, attn_post, attn_comb)
+        return mhc_post_res(middle, mlp_output, mlp_post, mlp_comb)
+
+    def _forward_recomputing_mhc(self, streams: torch.Tensor, attention_kwargs: dict):
+        """Selective recomputation: three checkpointed mHC regions around the two sublayers, so that autograd keeps
+        the layer's input streams, the sublayer outputs and ``post`` / ``comb``, and recomputes everything else of
+        mHC (coefficients, collapsed inputs, the middle streams) in backward."""
+        attn_input, attn_post, attn_comb = checkpoint(self._enter_attention, streams, use_reentrant=False)
+        attn_output, attn_weights = self.self_attn(hidden_states=attn_input, **attention_kwargs)
+        mlp_input, mlp_post, mlp_comb = checkpoint(self._between, streams, attn_output, attn_post, attn_comb,
+                                                   use_reentrant=False)
+        mlp_output = self.mlp(mlp_input)
+        out = checkpoint(self._exit, streams, attn_output, attn_post, attn_comb, mlp_output, mlp_post, mlp_comb,
+                         use_reentrant=False)
+        return out, attn_weights
 
 
 def _logit(p: float) -> float:

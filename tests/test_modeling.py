@@ -209,3 +209,34 @@ def test_sequence_classification():
     with torch.no_grad():
         alone = model(ids[1:, :4]).logits
     torch.testing.assert_close(out.logits[1:], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_selective_recomputation_gives_the_same_gradients_and_saves_less():
+    from hf_mhc.kernels.profiling import saved_bytes_for_backward
+
+    model = random_mhc("llama", hc_mult=4).train()
+    ids = token_ids()
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def saved():
+        return saved_bytes_for_backward(lambda: model(ids, labels=ids, use_cache=False).loss,
+                                        exclude=tuple(model.parameters()))
+
+    plain_loss, plain_grads = loss_and_grads()
+    plain_saved = saved()
+    for layer in model.model.layers:
+        layer.hc_recompute = True
+    loss, grads = loss_and_grads()
+    torch.testing.assert_close(loss, plain_loss, atol=0, rtol=0)
+    for name in plain_grads:
+        torch.testing.assert_close(grads[name], plain_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert saved() < 0.8 * plain_saved
+    model.activation_checkpointing_enable()  # composes with gradient checkpointing
+    _, checkpointed_grads = loss_and_grads()
+    for name in plain_grads:
+        torch.testing.assert_close(checkpointed_grads[name], plain_grads[name], atol=1e-6, rtol=1e-5, msg=name)
