@@ -1,8 +1,9 @@
 """The ``hf-mhc`` command line: ``convert`` (a residual checkpoint into an mHC one), ``inspect`` (stability report).
 
-Each subcommand is added by a ``_add_<name>`` function that registers its arguments and a ``run`` handler
-returning the exit status. Bad input ends with one ``hf-mhc <command>: error: ...`` line on stderr and status 1;
-an interrupted conversion (Ctrl-C, SIGTERM) with status 130.
+Each subcommand is a :class:`Subcommand` in :data:`SUBCOMMANDS`: its help line and a ``setup`` function that adds
+its arguments and a ``run`` handler returning the exit status. Only the chosen subcommand is set up, so ``convert``
+does not pay for ``inspect``'s imports. Bad input ends with one ``hf-mhc <command>: error: ...`` line on stderr and
+status 1; an interrupted conversion (Ctrl-C, SIGTERM) with status 130.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from . import __version__
 from .conversion import ConversionError, ConversionReport, convert_checkpoint
@@ -22,33 +24,41 @@ EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``hf-mhc`` argument parser with all its subcommands."""
+@dataclass(frozen=True)
+class Subcommand:
+    """One ``hf-mhc`` subcommand: its help line, and ``setup(parser)`` adding its arguments and ``run`` handler."""
+
+    help: str
+    setup: Callable[[argparse.ArgumentParser], None]
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``hf-mhc`` parser. Every subcommand is listed; only ``command`` (all when ``None``) gets its arguments."""
     parser = argparse.ArgumentParser(
         prog="hf-mhc", description="Manifold-Constrained Hyper-Connections (mHC) for Hugging Face Transformers."
     )
     parser.add_argument("--version", action="version", version=f"hf-mhc {__version__}")
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_convert(subcommands)
-    _add_inspect(subcommands)
+    for name, subcommand in SUBCOMMANDS.items():
+        subparser = subcommands.add_parser(name, help=subcommand.help, description=subcommand.help)
+        if command is None or command == name:
+            subcommand.setup(subparser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``hf-mhc`` with ``argv`` (default: ``sys.argv[1:]``) and return the exit status."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), "")  # the first positional argument
+    args = build_parser(command).parse_args(argv)
     return args.run(args)
 
 
-def _add_convert(subcommands: argparse._SubParsersAction) -> None:
-    parser = subcommands.add_parser(
-        "convert",
-        help="convert a Llama/Mistral/Qwen2/Qwen3 checkpoint into an mHC checkpoint",
-        description=(
-            "Stream a residual causal-LM checkpoint (a folder or a Hub model id) into a new mHC checkpoint folder: "
-            "backbone tensors copied unchanged, function-preserving HC tensors added, then verified against the "
-            "source. OUT is written only once complete; on any error SRC and OUT are left as they were."
-        ),
+def _setup_convert(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Stream a residual causal-LM checkpoint (a folder or a Hub model id) into a new mHC checkpoint folder: "
+        "backbone tensors copied unchanged, function-preserving HC tensors added, then verified against the "
+        "source. OUT is written only once complete; on any error SRC and OUT are left as they were."
     )
     parser.add_argument("src", metavar="SRC", help="checkpoint folder or Hugging Face Hub model id")
     parser.add_argument("out", metavar="OUT", help="folder to create (must not exist or be empty)")
@@ -74,13 +84,17 @@ def _add_convert(subcommands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=_run_convert)
 
 
-def _add_inspect(subcommands: argparse._SubParsersAction) -> None:
-    from .diagnostics import INSPECT_DESCRIPTION, add_inspect_arguments, run_inspect
+def _setup_inspect(parser: argparse.ArgumentParser) -> None:
+    from .diagnostics import INSPECT_DESCRIPTION, add_inspect_arguments, run_inspect  # imports Trainer: only here
 
-    parser = subcommands.add_parser(
-        "inspect", help="stability diagnostics of an mHC checkpoint", description=INSPECT_DESCRIPTION
-    )
+    parser.description = INSPECT_DESCRIPTION
     add_inspect_arguments(parser).set_defaults(run=run_inspect)
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "convert": Subcommand("convert a Llama/Mistral/Qwen2/Qwen3 checkpoint into an mHC checkpoint", _setup_convert),
+    "inspect": Subcommand("stability diagnostics of an mHC checkpoint", _setup_inspect),
+}
 
 
 def _run_convert(args: argparse.Namespace) -> int:
@@ -139,4 +153,4 @@ def _sigterm_raises_keyboard_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-__all__ = ["build_parser", "main"]
+__all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "main"]
