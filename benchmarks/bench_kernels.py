@@ -19,9 +19,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+
 from hf_mhc.kernels import mhc_coeffs, mhc_post_res, mhc_pre
 from hf_mhc.kernels.profiling import saved_bytes_for_backward
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
 
 
 def deepseek_v4_site(hc: DeepseekV4HyperConnection, streams: torch.Tensor) -> torch.Tensor:

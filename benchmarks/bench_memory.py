@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 
 import torch
-from hf_mhc.kernels.profiling import saved_bytes_for_backward
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_mhc
+from hf_mhc.kernels.profiling import saved_bytes_for_backward
 
 
 def per_token_per_layer(model, ids, layers: int) -> float:

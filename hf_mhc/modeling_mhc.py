@@ -257,7 +257,8 @@ class MHCPreTrainedModel(PreTrainedModel):
     config: MHCConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["MHCDecoderLayer"]
+    # The HC modules are listed too: FSDP auto-wrapping then gives these float32 modules units of their own.
+    _no_split_modules = ["MHCDecoderLayer", "MHCHyperConnection", "MHCHyperHead"]
     _skip_keys_device_placement = ["cache"]
     _supports_flash_attn = True
     _supports_sdpa = True

@@ -190,11 +190,27 @@ def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head)
     return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n), mix.view(*lead, n_mix), rstd.view(lead)
 
 
+TORCH_CHUNK_BYTES = 16 * 2**20
+
+
 def _mix_torch(streams, fn, norm_eps):
-    """``mix = (flat * rstd) @ fn.T`` and ``rstd`` (normalising first rounds exactly like the reference)."""
-    flat = streams.flatten(-2).float()
-    rstd = torch.rsqrt(flat.square().mean(-1) + norm_eps)
-    return (flat * rstd.unsqueeze(-1)) @ fn.float().T, rstd
+    """``mix = (flat * rstd) @ fn.T`` and ``rstd`` (normalising first rounds exactly like the reference).
+
+    Works through the tokens in chunks of at most 16 MiB of float32 streams: the normalised copy then comes from
+    reused heap memory instead of a fresh, page-faulting allocation the size of all the streams.
+    """
+    flat = streams.reshape(-1, streams.shape[-2] * streams.shape[-1])
+    fn32 = fn.float()
+    mix = flat.new_empty(flat.shape[0], fn.shape[0], dtype=torch.float32)
+    rstd = flat.new_empty(flat.shape[0], dtype=torch.float32)
+    chunk = max(1, TORCH_CHUNK_BYTES // (4 * flat.shape[1]))
+    for start in range(0, flat.shape[0], chunk):
+        part = flat[start : start + chunk].float()
+        part_rstd = torch.rsqrt(part.square().mean(-1) + norm_eps)
+        torch.matmul(part * part_rstd.unsqueeze(-1), fn32.T, out=mix[start : start + chunk])
+        rstd[start : start + chunk] = part_rstd
+    lead = streams.shape[:-2]
+    return mix.view(*lead, fn.shape[0]), rstd.view(lead)
 
 
 def _map_sizes(n: int, head: bool) -> list[int]:

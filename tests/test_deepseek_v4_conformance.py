@@ -6,13 +6,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hf_mhc.kernels import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre
 from torch import nn
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4DecoderLayer,
     DeepseekV4HyperConnection,
     DeepseekV4HyperHead,
 )
+
+from hf_mhc.kernels import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre
 
 HIDDEN = 24
 TOL = dict(atol=1e-6, rtol=1e-6)

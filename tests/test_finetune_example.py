@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import JANEAUSTEN, STORIES260K, tiny_backbone_config
-from hf_mhc.conversion import is_hc_parameter
 from peft import AutoPeftModelForCausalLM
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import hf_mhc
+from hf_mhc.conversion import is_hc_parameter
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "finetune.py"

@@ -150,7 +150,7 @@ def test_bfloat16_loading_keeps_hc_parameters_in_float32(tmp_path):
 
 def test_no_split_modules_names_the_decoder_layer():
     model = random_mhc()
-    assert set(model._no_split_modules) == {"MHCDecoderLayer"}
+    assert set(model._no_split_modules) == {"MHCDecoderLayer", "MHCHyperConnection", "MHCHyperHead"}
     assert type(model.model.layers[0]).__name__ == "MHCDecoderLayer"
 
 

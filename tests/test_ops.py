@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+
 from hf_mhc.kernels import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre, resolve_backend, sinkhorn
 from hf_mhc.kernels.profiling import saved_bytes_for_backward
 

@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 from conftest import VOCAB, tiny_backbone_config
-from hf_mhc.conversion import is_hc_parameter
 from peft import PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from peft.utils import ModulesToSaveWrapper
@@ -15,6 +14,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import hf_mhc
+from hf_mhc.conversion import is_hc_parameter
 from hf_mhc.diagnostics import inspect_main
 from hf_mhc.peft import BACKBONE_PROJECTIONS, HC_MODULE_NAMES, mhc_lora_config
 
