@@ -1,0 +1,243 @@
+"""Time and peak memory of ``hf-mhc convert`` on a ~2 GB sharded Llama checkpoint, against copying the files.
+
+The synthetic checkpoint (random bfloat16 weights, Llama layout, several safetensors shards with an index) is
+written tensor by tensor into a temporary folder, never held in memory. Each measured command then runs in its own
+child process (started by a small launcher), whose wall time and peak RSS (``ru_maxrss``) are recorded:
+
+- ``copy``: ``shutil.copytree`` of the checkpoint folder (the baseline; data may still sit in the page cache);
+- ``copy_fsync``: the same, then ``fsync`` of every copied file, which the conversion also does before its rename;
+- ``convert``: the ``hf-mhc convert SRC OUT --no-verify`` console script (verification loads both models, which is
+  not the streaming part being measured; the conversion fsyncs every weight file before renaming OUT into place);
+- ``import``: a process that only imports ``hf_mhc.cli``, the fixed memory cost of torch + transformers.
+
+Runs alternate copy / convert ``--repeats`` times; the medians are reported. Usage::
+
+    .venv/bin/python benchmarks/bench_convert.py [--size-gb 2] [--repeats 3] [--output benchmarks/results/convert.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from hf_mhc.conversion.safetensors_stream import SafetensorsStreamWriter, TensorSpec
+from transformers import LlamaConfig
+
+HF_MHC_SCRIPT = Path(sys.executable).with_name("hf-mhc")
+SOURCE_SHARD_BYTES = 450 * 10**6
+
+
+def synthetic_llama_config(size_gb: float) -> LlamaConfig:
+    """A Llama config (hidden 2048, GQA 16/4 heads, untied) with enough layers for ``size_gb`` GB of bfloat16."""
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    per_layer = sum(math.prod(shape) for shape in layer_shapes(config).values())
+    embeddings = 2 * config.vocab_size * config.hidden_size
+    config.num_hidden_layers = max(1, round((size_gb * 1e9 / 2 - embeddings) / per_layer))
+    return config
+
+
+def layer_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    hidden, head_dim = config.hidden_size, config.hidden_size // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    return {
+        "input_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (hidden, hidden),
+        "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden),
+        "self_attn.o_proj.weight": (hidden, hidden),
+        "post_attention_layernorm.weight": (hidden,),
+        "mlp.gate_proj.weight": (config.intermediate_size, hidden),
+        "mlp.up_proj.weight": (config.intermediate_size, hidden),
+        "mlp.down_proj.weight": (hidden, config.intermediate_size),
+    }
+
+
+def checkpoint_specs(config: LlamaConfig) -> list[TensorSpec]:
+    specs = [TensorSpec("model.embed_tokens.weight", torch.bfloat16, (config.vocab_size, config.hidden_size))]
+    for layer in range(config.num_hidden_layers):
+        for name, shape in layer_shapes(config).items():
+            specs.append(TensorSpec(f"model.layers.{layer}.{name}", torch.bfloat16, shape))
+    specs.append(TensorSpec("model.norm.weight", torch.bfloat16, (config.hidden_size,)))
+    specs.append(TensorSpec("lm_head.weight", torch.bfloat16, (config.vocab_size, config.hidden_size)))
+    return specs
+
+
+def write_synthetic_checkpoint(folder: Path, config: LlamaConfig) -> int:
+    """Write ``config``'s checkpoint into ``folder`` in shards of about ``SOURCE_SHARD_BYTES``; returns its bytes."""
+    shards: list[list[TensorSpec]] = [[]]
+    for spec in checkpoint_specs(config):
+        if shards[-1] and sum(s.nbytes for s in shards[-1]) + spec.nbytes > SOURCE_SHARD_BYTES:
+            shards.append([])
+        shards[-1].append(spec)
+    generator = torch.Generator().manual_seed(0)
+    weight_map = {}
+    for number, specs in enumerate(shards, start=1):
+        file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        with SafetensorsStreamWriter(folder / file_name, specs, metadata={"format": "pt"}) as writer:
+            for spec in specs:
+                if spec.name.endswith("norm.weight"):
+                    values = torch.ones(spec.shape, dtype=torch.bfloat16)
+                else:
+                    values = (torch.randn(spec.shape, generator=generator) * 0.02).to(torch.bfloat16)
+                writer.write_tensor(spec.name, [values])
+                weight_map[spec.name] = file_name
+    total = sum(spec.nbytes for specs in shards for spec in specs)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config.save_pretrained(folder)
+    return total
+
+
+# Runs argv[1:] and reports its wall time and peak RSS. A small launcher process, so that the measured child does not
+# inherit this script's memory high-water mark through fork (ru_maxrss survives fork + exec).
+LAUNCHER = """
+import json, resource, subprocess, sys, time
+start = time.perf_counter()
+child = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+seconds = time.perf_counter() - start
+peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+print(json.dumps({"seconds": seconds, "peak_rss_mb": peak_kib / 1024, "returncode": child.returncode,
+                  "stderr": child.stderr.decode(errors="replace")[-2000:]}))
+"""
+
+
+COPY_FSYNC_CODE = """
+import os, shutil, sys
+shutil.copytree(sys.argv[1], sys.argv[2])
+for name in os.listdir(sys.argv[2]):
+    with open(os.path.join(sys.argv[2], name), "rb+") as copied:
+        os.fsync(copied.fileno())
+"""
+
+
+def measure(command: list[str]) -> dict[str, float]:
+    """Wall seconds and peak RSS (MB, ``RUSAGE_CHILDREN.ru_maxrss``) of ``command`` in its own child process."""
+    launcher = subprocess.run([sys.executable, "-c", LAUNCHER, *command], capture_output=True, text=True, check=True)
+    result = json.loads(launcher.stdout)
+    if result["returncode"] != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({result['returncode']}): {result['stderr']}")
+    return {"seconds": result["seconds"], "peak_rss_mb": result["peak_rss_mb"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size in GB (default 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each command (default 3; medians reported)")
+    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "convert.json")
+    args = parser.parse_args()
+
+    config = synthetic_llama_config(args.size_gb)
+    with tempfile.TemporaryDirectory(prefix="bench-convert-") as tmp:
+        tmp_path = Path(tmp)
+        source = tmp_path / "source"
+        source.mkdir()
+        started = time.perf_counter()
+        source_bytes = write_synthetic_checkpoint(source, config)
+        shard_sizes = [path.stat().st_size for path in source.glob("model-*.safetensors")]
+        print(f"wrote {source_bytes / 1e9:.2f} GB in {len(shard_sizes)} shards ({config.num_hidden_layers} layers) "
+              f"in {time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
+
+        runs: dict[str, list[dict[str, float]]] = {"copy": [], "copy_fsync": [], "convert": [], "import": []}
+        copy_code = "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2])"
+        for repeat in range(args.repeats):
+            copy_out, convert_out = tmp_path / f"copy-{repeat}", tmp_path / f"mhc-{repeat}"
+            runs["copy"].append(measure([sys.executable, "-c", copy_code, str(source), str(copy_out)]))
+            shutil.rmtree(copy_out)
+            runs["copy_fsync"].append(
+                measure([sys.executable, "-c", COPY_FSYNC_CODE, str(source), str(copy_out)])
+            )
+            convert_command = [str(HF_MHC_SCRIPT), "convert", str(source), str(convert_out), "--no-verify"]
+            runs["convert"].append(measure(convert_command))
+            runs["import"].append(measure([sys.executable, "-c", "import hf_mhc.cli"]))
+            output_bytes = sum(f.stat().st_size for f in convert_out.glob("*.safetensors"))
+            shutil.rmtree(copy_out)
+            shutil.rmtree(convert_out)
+            print(f"run {repeat + 1}: " + ", ".join(
+                f"{name} {r[-1]['seconds']:.1f} s / {r[-1]['peak_rss_mb']:.0f} MB" for name, r in runs.items()
+            ), flush=True)  # fmt: skip
+
+    median = {
+        name: {key: statistics.median(run[key] for run in results) for key in results[0]}
+        for name, results in runs.items()
+    }
+    result = {
+        "command": "hf-mhc convert SRC OUT --no-verify",
+        "checkpoint": {
+            "family": "llama",
+            "dtype": "bfloat16",
+            "layers": config.num_hidden_layers,
+            "bytes": source_bytes,
+            "source_shards": len(shard_sizes),
+            "largest_source_shard_bytes": max(shard_sizes),
+            "output_weight_bytes": output_bytes,
+        },
+        "repeats": args.repeats,
+        "median": median,
+        "ratio_convert_to_copy": {
+            key: median["convert"][key] / median["copy"][key] for key in ("seconds", "peak_rss_mb")
+        },
+        "ratio_convert_to_copy_fsync_seconds": median["convert"]["seconds"] / median["copy_fsync"]["seconds"],
+        "convert_rss_above_import_mb": median["convert"]["peak_rss_mb"] - median["import"]["peak_rss_mb"],
+        "runs": runs,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(markdown_table(result))
+    print(f"results written to {args.output}")
+
+
+def markdown_table(result: dict) -> str:
+    median, ratio = result["median"], result["ratio_convert_to_copy"]
+    checkpoint = result["checkpoint"]
+    return "\n".join(
+        [
+            f"Llama checkpoint, bfloat16, {checkpoint['bytes'] / 1e9:.2f} GB in {checkpoint['source_shards']} shards "
+            f"(medians of {result['repeats']} runs, each in a fresh process):",
+            "",
+            "| command | seconds | peak RSS (MB) |",
+            "|---|---:|---:|",
+            f"| `shutil.copytree` (baseline) | {median['copy']['seconds']:.1f} | {median['copy']['peak_rss_mb']:.0f} |",
+            f"| `shutil.copytree` + fsync | {median['copy_fsync']['seconds']:.1f} "
+            f"| {median['copy_fsync']['peak_rss_mb']:.0f} |",
+            f"| `hf-mhc convert --no-verify` | {median['convert']['seconds']:.1f} "
+            f"| {median['convert']['peak_rss_mb']:.0f} |",
+            f"| ratio convert / copy | {ratio['seconds']:.1f}x | {ratio['peak_rss_mb']:.1f}x |",
+            f"| ratio convert / (copy + fsync) | {result['ratio_convert_to_copy_fsync_seconds']:.1f}x | |",
+            f"| `import hf_mhc.cli` only | {median['import']['seconds']:.1f} | {median['import']['peak_rss_mb']:.0f} |",
+            "",
+            f"Peak RSS of the conversion above the import baseline: {result['convert_rss_above_import_mb']:.0f} MB "
+            f"(largest source shard {checkpoint['largest_source_shard_bytes'] / 1e6:.0f} MB). The conversion's "
+            f"time includes {median['import']['seconds']:.1f} s of importing torch and transformers.",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    main()
