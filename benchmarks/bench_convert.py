@@ -31,8 +31,9 @@ import time
 from pathlib import Path
 
 import torch
-from hf_mhc.conversion.safetensors_stream import SafetensorsStreamWriter, TensorSpec
 from transformers import LlamaConfig
+
+from hf_mhc.conversion.safetensors_stream import SafetensorsStreamWriter, TensorSpec
 
 HF_MHC_SCRIPT = Path(sys.executable).with_name("hf-mhc")
 SOURCE_SHARD_BYTES = 450 * 10**6

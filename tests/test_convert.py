@@ -9,21 +9,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-import hf_mhc.conversion.convert as convert_module
-import hf_mhc.conversion.source as source_module
 import huggingface_hub.constants
 import pytest
 import torch
 from conftest import FAMILIES, STORIES260K, VOCAB, tiny_backbone_config
-from hf_mhc.conversion import ConversionError, convert_checkpoint, is_hc_parameter
-from hf_mhc.conversion.safetensors_stream import SafetensorsStreamWriter, TensorSpec, aligned_order, parse_size
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaForSequenceClassification
 
 import hf_mhc
+import hf_mhc.conversion.convert as convert_module
+import hf_mhc.conversion.source as source_module
 from hf_mhc import MHCForCausalLM
 from hf_mhc.cli import main
+from hf_mhc.conversion import ConversionError, convert_checkpoint, is_hc_parameter
+from hf_mhc.conversion.safetensors_stream import SafetensorsStreamWriter, TensorSpec, aligned_order, parse_size
 
 HF_MHC_SCRIPT = Path(sys.executable).with_name("hf-mhc")
 
