@@ -26,13 +26,14 @@ class MHCConfig(PreTrainedConfig):
         hc_eps (`float`, defaults to 1e-6): the epsilon added to `pre`, `comb` and each Sinkhorn denominator.
         hc_init (`str`, defaults to `"function_preserving"`):
             `"function_preserving"` makes a fresh model compute exactly its residual backbone (DESIGN §4):
-            `pre = 1/n`, `mean(post) = 1`, `comb_b = hc_init_comb_diag * I`, the head averaging the streams,
+            `pre = 1/n`, `mean(post) ≈ 1`, `comb_b = hc_init_comb_diag * I`, the head averaging the streams,
             and the dynamic part off through `fn = 0` (with a non-zero scale, so `fn` still gets a gradient).
             `"deepseek_v4"` is DeepSeek-V4's initialisation (`fn ~ N(0, initializer_range)`, `base = 0`,
             `scale = 1`), which does not preserve the backbone's function.
         hc_init_post_delta (`float`, defaults to 0.1):
-            `post` biases come in pairs `±k·δ` (k = 1, 2, ...; a 0 for odd n), so `mean(post) = 1` exactly while
-            no two streams are alike: identical streams would receive identical gradients forever.
+            `post` values come in pairs `2σ(±k·δ)` (k = 1, 2, ...; 1 for odd n), so their mean is 1 (times the
+            site's `s^(k+1) = 1 - O(hc_eps)`, see `function_preserving_hc_base`) while no two streams are alike:
+            identical streams would receive identical gradients forever.
         hc_init_comb_diag (`float`, defaults to 2.0):
             `c` in `comb_b = c·I`. 2.0 puts 0.71 of each stream's weight on itself for n = 4 (close to the identity
             residual) while the softmax stays far from saturation, so `comb` keeps a useful gradient.

@@ -110,7 +110,7 @@ def check_grads(ours_inputs, ours_out, ref_inputs, ref_out, tol):
         torch.testing.assert_close(mine.grad.double(), ref.grad, **tol)
 
 
-SHAPES = [(1, 5, 1, 8), (2, 3, 2, 16), (1, 7, 3, 12), (2, 4, 4, 20), (1, 3, 8, 24)]
+SHAPES = [(1, 5, 1, 8), (2, 3, 2, 16), (1, 7, 3, 12), (2, 4, 4, 20), (1, 5, 6, 10), (1, 3, 8, 24)]
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
