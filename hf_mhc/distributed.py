@@ -16,9 +16,16 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from .modeling_mhc import MHCDecoderLayer, MHCForCausalLM, MHCHyperConnection, MHCHyperHead, MHCModel
+from .modeling_mhc import (
+    MHCDecoderLayer,
+    MHCForCausalLM,
+    MHCHyperConnection,
+    MHCHyperHead,
+    MHCModel,
+    attention_masks,
+    expand_to_streams,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -146,17 +153,6 @@ class MHCPipelineStageModule(nn.Module):
         self.lm_head = lm_head
         self._attention_kinds = sorted({layer.attention_type for layer in self.model.layers.values()})
 
-    def _attention_masks(self, like: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
-        mask_kwargs = {
-            "config": self.config.backbone_config,
-            "inputs_embeds": like,
-            "attention_mask": None,
-            "cache": None,
-            "position_ids": position_ids,
-        }
-        build = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        return {kind: build[kind](**mask_kwargs) for kind in self._attention_kinds}
-
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """``input_ids [B, T]`` (first stage) or ``streams [B, T, n, C]`` in; ``streams [B, T, n, C]`` or, from the
         last stage, ``logits [B, T, vocab]`` out."""
@@ -165,7 +161,7 @@ class MHCPipelineStageModule(nn.Module):
             if inputs.dim() != 2:
                 raise ValueError(f"Stage 0 takes input_ids [B, T]; got a tensor of shape {tuple(inputs.shape)}.")
             embeddings = trunk.embed_tokens(inputs)
-            streams = embeddings.unsqueeze(-2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+            streams = expand_to_streams(embeddings, self.config.hc_mult)
         else:
             if inputs.dim() != 4:
                 raise ValueError(
@@ -175,7 +171,8 @@ class MHCPipelineStageModule(nn.Module):
             embeddings = streams[:, :, 0]  # stands for the [B, T, C] hidden state: shape, dtype and device only
         position_ids = torch.arange(streams.shape[1], device=streams.device).unsqueeze(0)
         position_embeddings = trunk.rotary_emb(embeddings, position_ids)
-        masks = self._attention_masks(embeddings, position_ids)
+        masks = attention_masks(self.config.backbone_config, self._attention_kinds, embeddings, None, None,
+                                position_ids)
         for layer in trunk.layers.values():
             streams, _ = layer(
                 streams,

@@ -74,6 +74,20 @@ def attention_layer_types(backbone_config) -> list[str]:
     return [kind] * backbone_config.num_hidden_layers
 
 
+def attention_masks(backbone_config, kinds: set[str], inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+                    cache: Cache | None, position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """The backbone's causal (and sliding-window) masks, one per attention kind the layers use."""
+    mask_kwargs = {"config": backbone_config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+                   "cache": cache, "position_ids": position_ids}
+    build = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    return {kind: build[kind](**mask_kwargs) for kind in kinds}
+
+
+def expand_to_streams(embeddings: torch.Tensor, hc_mult: int) -> torch.Tensor:
+    """The embedding output ``[B, T, C]`` copied into ``hc_mult`` streams ``[B, T, n, C]``."""
+    return embeddings.unsqueeze(-2).expand(-1, -1, hc_mult, -1).contiguous()
+
+
 class MHCHyperConnection(nn.Module):
     """The token-dependent maps of one sublayer: ``streams [B, T, n, C] -> pre, post [B, T, n], comb [B, T, n, n]``.
 
@@ -366,18 +380,9 @@ class MHCModel(MHCPreTrainedModel):
         if isinstance(attention_mask, dict):
             masks = attention_mask
         else:
-            mask_kwargs = {
-                "config": backbone,
-                "inputs_embeds": inputs_embeds,
-                "attention_mask": attention_mask,
-                "cache": cache,
-                "position_ids": position_ids,
-            }
-            masks = {"full_attention": create_causal_mask(**mask_kwargs)}
-            if any(layer.attention_type == "sliding_attention" for layer in self.layers):
-                masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
-
-        streams = inputs_embeds.unsqueeze(-2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+            kinds = {layer.attention_type for layer in self.layers}
+            masks = attention_masks(backbone, kinds, inputs_embeds, attention_mask, cache, position_ids)
+        streams = expand_to_streams(inputs_embeds, self.config.hc_mult)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         all_hidden_states = () if output_hidden_states else None
         all_attentions = () if output_attentions else None
