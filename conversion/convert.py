@@ -38,8 +38,11 @@ from .verify import VerificationResult, verify_conversion
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 CHUNK_BYTES = 64 * 2**20
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Files copied from the source beside the weights: tokenizer, chat template and generation defaults.
+# Files copied from the source beside the weights: tokenizer, chat template, generation defaults, license terms.
 COPIED_FILE_PATTERNS: tuple[str, ...] = (
+    "LICENSE*",
+    "NOTICE*",
+    "USE_POLICY*",
     "tokenizer*",
     "special_tokens_map.json",
     "added_tokens.json",
@@ -114,7 +117,7 @@ def convert_checkpoint(
     Returns:
         A :class:`ConversionReport`. Raises :class:`ConversionError` on bad input, before ``out`` is touched.
     """
-    out = Path(out).expanduser()
+    out = Path(os.path.abspath(Path(out).expanduser()))  # normalised: "." and "a/.." name real folders
     max_shard_bytes = parse_size(max_shard_size)
     target_dtype = _parse_dtype(dtype)
     _check_output(out, overwrite)
@@ -134,10 +137,10 @@ def convert_checkpoint(
 
     _remove_stale_staging(out)
     created_parents = _missing_ancestors(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}{STAGING_MARKER}{os.getpid()}@{socket.gethostname()}.{secrets.token_hex(6)}"
-    staging.mkdir()  # beside OUT (same file system, so the final rename is atomic), with the umask's permissions
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()  # beside OUT (same file system, so the final rename is atomic), with the umask's permissions
         with checkpoint.reader() as reader:
             weight_files = write_weights(staging, shards, reader, progress=progress)
         write_config_and_code(config, staging, model_dtype)
@@ -148,9 +151,9 @@ def convert_checkpoint(
                 source.folder, staging, model_dtype, vocab_size=config.backbone_config.vocab_size
             )
             if not verification.passed:
-                hint = " (non-finite logits: try --dtype bfloat16 or float32)" if math.isinf(
-                    verification.max_abs_logit_diff
-                ) else ""
+                hint = ""
+                if math.isinf(verification.max_abs_logit_diff):
+                    hint = " (non-finite logits: float16 overflows for many models; try --dtype bfloat16)"
                 raise VerificationError(
                     f"the converted model does not reproduce the source: {verification.summary()}{hint}; "
                     "nothing was written. Please report this with the source checkpoint's config."

@@ -25,8 +25,10 @@ PICKLE_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 
 # Bytes read through one memory map of a safetensors file before it is re-opened (see TensorReader).
 REMAP_BYTES = 64 * 2**20
-# What a Hub download fetches before the weights: configs, indexes, tokenizer and chat-template files.
-HUB_METADATA_PATTERNS: tuple[str, ...] = ("*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja")
+# What a Hub download fetches before the weights: configs, indexes, tokenizer, chat-template and license files.
+HUB_METADATA_PATTERNS: tuple[str, ...] = (
+    "*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja", "LICENSE*", "NOTICE*", "USE_POLICY*",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,17 @@ Both models are loaded in the same dtype, one after the other (never both in mem
 
 Tolerances on ``max |logits_mHC - logits_source|`` over all prompt positions:
 
-- float32: ``1e-4``, absolute. The function-preserving initialisation is exact up to float32 rounding.
+- float32 (and float64 sources): ``1e-4``, absolute. The function-preserving initialisation is exact up to float32
+  rounding (the real stories260K Llama: 2e-5 at a logit scale of 18).
 - bfloat16: ``0.1 * max |logits_source|``; float16: ``0.02 * max |logits_source|``. In half precision the mHC model
   rounds its streams differently from the residual model, so both drift from the float32 function by about the
   same amount. Measured on the real stories260K Llama (5 layers): mHC vs source 1.4% (bf16) and 0.19% (fp16) of
   the logit scale, the source itself vs float32 1.5% and 0.3%. Rounding noise grows roughly with the square root
   of depth, so the thresholds leave room for models of ~50 layers and more, while a wrong, missing or mis-cast
   tensor moves the logits by a sizeable fraction of their scale. Non-finite logits always fail.
+
+Greedy decoding is reported, not enforced: in half precision a near-tie can flip a token (stories260K in bfloat16
+diverges at the 4th generated token of one prompt, and so does the source itself in bfloat16 against float32).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-ABSOLUTE_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-4}
+ABSOLUTE_TOLERANCES: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.float64: 1e-4}
 RELATIVE_TOLERANCES: dict[torch.dtype, float] = {torch.bfloat16: 0.1, torch.float16: 0.02}
 GREEDY_TOKENS = 32
 PROMPT_TEXTS: tuple[str, ...] = (
@@ -53,6 +57,8 @@ class VerificationResult:
     def summary(self) -> str:
         """One line: dtype, prompts, the difference against its threshold, and the greedy-decoding agreement."""
         greedy = "agrees" if self.greedy_agrees else "DIFFERS"
+        if not self.greedy_agrees and self.dtype in ("bfloat16", "float16"):
+            greedy += f" (in {self.dtype} rounding flips near-ties, as it does between the source and float32)"
         return (
             f"{self.dtype}, {self.prompts} prompts ({self.prompt_source}): max |logit difference| "
             f"{self.max_abs_logit_diff:.3g} (threshold {self.tolerance:.3g}); greedy decoding of "
