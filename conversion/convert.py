@@ -72,6 +72,7 @@ class ConversionReport:
     dtype: str
     tensors: int
     weight_files: tuple[str, ...]
+    copied_files: tuple[str, ...]
     total_size: int
     verification: VerificationResult | None
 
@@ -144,7 +145,7 @@ def convert_checkpoint(
         with checkpoint.reader() as reader:
             weight_files = write_weights(staging, shards, reader, progress=progress)
         write_config_and_code(config, staging, model_dtype)
-        copy_auxiliary_files(source.folder, staging)
+        copied_files = copy_auxiliary_files(source.folder, staging)
         verification = None
         if verify:
             verification = verify_conversion(
@@ -166,6 +167,7 @@ def convert_checkpoint(
             dtype=str(model_dtype).removeprefix("torch."),
             tensors=len(plan),
             weight_files=weight_files,
+            copied_files=tuple(copied_files),
             total_size=sum(p.spec.nbytes for p in plan),
             verification=verification,
         )

@@ -125,6 +125,7 @@ def _print_report(report: ConversionReport) -> None:
         f"{report.tensors} tensors, {report.total_size / 1e6:.1f} MB in {report.weight_files[0]}"
         + (f" and {len(report.weight_files) - 1} more files" if len(report.weight_files) > 1 else "")
     )
+    print(f"Copied from SRC: {', '.join(report.copied_files) or 'nothing (no tokenizer or generation config found)'}")
     if report.verification is None:
         print("Verification: skipped (--no-verify)")
     else:

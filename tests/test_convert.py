@@ -157,6 +157,7 @@ def test_real_pretrained_llama_converts_exactly(tmp_path, capsys):
     assert status == 0, err
     # The built-in verification greedily decodes 32 tokens from 3 tokenized prompts with both models.
     assert "3 prompts (tokenizer)" in stdout and "greedy decoding of 32 tokens agrees" in stdout
+    assert "Copied from SRC: generation_config.json, tokenizer.json, tokenizer_config.json" in stdout
     for copied in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / copied).read_bytes() == (STORIES260K / copied).read_bytes()
     source = AutoModelForCausalLM.from_pretrained(STORIES260K).eval()
