@@ -242,17 +242,21 @@ def function_preserving_head_base(config: MHCConfig) -> torch.Tensor:
 
 
 def function_preserving_hc_tensors(config: MHCConfig) -> dict[str, torch.Tensor]:
-    """Every HC tensor of a function-preserving :class:`MHCForCausalLM`, keyed by state-dict name (float32)."""
+    """Every HC tensor of a function-preserving :class:`MHCForCausalLM`, keyed by state-dict name (float32).
+
+    The ``fn`` / ``hc_fn`` zeros are expanded views of one scalar: no memory, whatever the model size.
+    """
     n, hidden = config.hc_mult, config.backbone_config.hidden_size
     dynamic_scale = config.hc_init_dynamic_scale
+    zero = torch.zeros((), dtype=torch.float32)
     tensors = {}
     for layer in range(config.backbone_config.num_hidden_layers):
         for offset, site in enumerate(("attn_hc", "ffn_hc")):
             prefix = f"model.layers.{layer}.{site}"
-            tensors[f"{prefix}.fn"] = torch.zeros((n + 2) * n, n * hidden)
+            tensors[f"{prefix}.fn"] = zero.expand((n + 2) * n, n * hidden)
             tensors[f"{prefix}.base"] = function_preserving_hc_base(config, 2 * layer + offset)
             tensors[f"{prefix}.scale"] = torch.full((3,), dynamic_scale)
-    tensors["model.hc_head.hc_fn"] = torch.zeros(n, n * hidden)
+    tensors["model.hc_head.hc_fn"] = zero.expand(n, n * hidden)
     tensors["model.hc_head.hc_base"] = function_preserving_head_base(config)
     tensors["model.hc_head.hc_scale"] = torch.full((1,), dynamic_scale)
     return tensors
