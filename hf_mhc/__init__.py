@@ -28,9 +28,16 @@ AutoModelForCausalLM.register(MHCConfig, MHCForCausalLM, exist_ok=True)
 AutoModelForSequenceClassification.register(MHCConfig, MHCForSequenceClassification, exist_ok=True)
 
 from .conversion import upcycle  # noqa: E402  (needs the classes registered above)
-from .kernels import apply_mhc_kernels  # noqa: E402
 
 __version__ = "0.1.0"
+
+
+def apply_mhc_kernels(model, backend: str | None = None):
+    """Route the mHC math of a transformers DeepSeek-V4 / GLM-5-Next model through ``hf_mhc.kernels`` (see
+    :func:`hf_mhc.kernels.apply_mhc_kernels`). Imported on use: ``import hf_mhc`` works where Triton is missing."""
+    from .kernels import apply_mhc_kernels as apply
+
+    return apply(model, backend=backend)
 
 __all__ = [
     "SUPPORTED_BACKBONES",
