@@ -27,6 +27,7 @@ from .sinkhorn_op import (
     sinkhorn_tile_backward,
     sinkhorn_tile_forward,
     token_block,
+    token_slices,
     without_autocast,
 )
 
@@ -190,25 +191,18 @@ def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head)
     return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n), mix.view(*lead, n_mix), rstd.view(lead)
 
 
-TORCH_CHUNK_BYTES = 16 * 2**20
-
-
 def _mix_torch(streams, fn, norm_eps):
-    """``mix = (flat * rstd) @ fn.T`` and ``rstd`` (normalising first rounds exactly like the reference).
-
-    Works through the tokens in chunks of at most 16 MiB of float32 streams: the normalised copy then comes from
-    reused heap memory instead of a fresh, page-faulting allocation the size of all the streams.
-    """
+    """``mix = (flat * rstd) @ fn.T`` and ``rstd`` (normalising first rounds exactly like the reference), a chunk of
+    tokens at a time (``token_slices``)."""
     flat = streams.reshape(-1, streams.shape[-2] * streams.shape[-1])
     fn32 = fn.float()
     mix = flat.new_empty(flat.shape[0], fn.shape[0], dtype=torch.float32)
     rstd = flat.new_empty(flat.shape[0], dtype=torch.float32)
-    chunk = max(1, TORCH_CHUNK_BYTES // (4 * flat.shape[1]))
-    for start in range(0, flat.shape[0], chunk):
-        part = flat[start : start + chunk].float()
+    for part_slice in token_slices(flat.shape[0], 4 * flat.shape[1]):
+        part = flat[part_slice].float()
         part_rstd = torch.rsqrt(part.square().mean(-1) + norm_eps)
-        torch.matmul(part * part_rstd.unsqueeze(-1), fn32.T, out=mix[start : start + chunk])
-        rstd[start : start + chunk] = part_rstd
+        torch.matmul(part * part_rstd.unsqueeze(-1), fn32.T, out=mix[part_slice])
+        rstd[part_slice] = part_rstd
     lead = streams.shape[:-2]
     return mix.view(*lead, fn.shape[0]), rstd.view(lead)
 
@@ -293,8 +287,7 @@ def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, back
     grad_streams = (_streams_grad_triton if backend == "triton" else _streams_grad_torch)(
         streams, fn, grad_raw, correction
     )
-    flat = streams.reshape(-1, n * hidden).float()
-    grad_fn = grad_raw.reshape(-1, mix.shape[-1]).T @ flat
+    grad_fn = grad_raw.reshape(-1, mix.shape[-1]).T @ streams.reshape(-1, n * hidden).float()
     return grad_streams, grad_fn.to(fn.dtype), grad_base.to(base.dtype), grad_scale.to(scale.dtype)
 
 

@@ -147,6 +147,19 @@ def token_block(gpu_block: int) -> int:
     return 64 if interpreting() else gpu_block
 
 
+CPU_CHUNK_BYTES = 4 * 2**20
+
+
+def token_slices(tokens: int, bytes_per_token: int):
+    """Token ranges of about 4 MiB of float32 working set each, for a torch kernel that makes several passes over
+    temporaries: they stay in cache and come from reused heap memory instead of fresh, page-faulting allocations the
+    size of all the streams (measured on the coefficient forward, 4096 tokens x 4096: 41 ms at 16 MiB, 20 ms at
+    4 MiB)."""
+    step = max(1, CPU_CHUNK_BYTES // bytes_per_token)
+    for start in range(0, tokens, step):
+        yield slice(start, start + step)
+
+
 SINKHORN_BLOCK_T = 16
 
 
