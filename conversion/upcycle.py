@@ -9,14 +9,12 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from hf_mhc.configuration_mhc import SUPPORTED_BACKBONES, MHCConfig
-from hf_mhc.modeling_mhc import MHCForCausalLM
-
-HC_PARAMETER_MARKERS: tuple[str, ...] = (".attn_hc.", ".ffn_hc.", "model.hc_head.")
+from hf_mhc.modeling_mhc import HC_MODULE_NAMES, MHCForCausalLM
 
 
 def is_hc_parameter(name: str) -> bool:
     """Whether a state-dict key belongs to the mHC maps (kept in float32), not to the backbone."""
-    return any(marker in name for marker in HC_PARAMETER_MARKERS)
+    return any(part in HC_MODULE_NAMES for part in name.split(".")[:-1])
 
 
 def mhc_config_for(backbone_config, hc_mult: int = 4, **hc_options) -> MHCConfig:

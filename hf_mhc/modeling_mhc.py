@@ -45,6 +45,8 @@ class BackboneModules:
     rotary: type[nn.Module]
 
 
+HC_MODULE_NAMES: tuple[str, ...] = ("attn_hc", "ffn_hc", "hc_head")  # the float32 mHC modules, by attribute name
+
 _BACKBONE_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 
@@ -283,7 +285,7 @@ class MHCPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = False
-    _keep_in_fp32_modules_strict = ["attn_hc", "ffn_hc", "hc_head"]
+    _keep_in_fp32_modules_strict = list(HC_MODULE_NAMES)
 
     def __init__(self, config: MHCConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)

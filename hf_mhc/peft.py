@@ -15,7 +15,8 @@ from typing import Any
 
 from peft import LoraConfig, TaskType
 
-HC_MODULE_NAMES: tuple[str, ...] = ("attn_hc", "ffn_hc", "hc_head")
+from .modeling_mhc import HC_MODULE_NAMES
+
 BACKBONE_PROJECTIONS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
