@@ -20,16 +20,8 @@ import triton.language as tl
 
 from hf_mhc import mhc_reference
 
-from .sinkhorn_op import (
-    padded_streams,
-    sinkhorn_backward_torch,
-    sinkhorn_forward_torch,
-    sinkhorn_tile_backward,
-    sinkhorn_tile_forward,
-    token_block,
-    token_slices,
-    without_autocast,
-)
+from .common import launch_grid, padded_streams, token_slices, without_autocast
+from .sinkhorn_op import sinkhorn_backward_torch, sinkhorn_forward_torch, sinkhorn_tile_backward, sinkhorn_tile_forward
 
 COEFFS_BLOCK_T = 16
 COEFFS_BLOCK_K = 128
@@ -178,8 +170,8 @@ def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head)
     pre = torch.empty(tokens, n, device=x.device, dtype=torch.float32)
     post = torch.empty(0 if head else tokens * n, device=x.device, dtype=torch.float32)
     comb = torch.empty(0 if head else tokens * n * n, device=x.device, dtype=torch.float32)
-    block = token_block(COEFFS_BLOCK_T)
-    _mhc_coeffs_fwd_kernel[(triton.cdiv(tokens, block),)](
+    grid, block = launch_grid(tokens, COEFFS_BLOCK_T)
+    _mhc_coeffs_fwd_kernel[grid](
         x, fn.contiguous(), base.float().contiguous(), scale.float().contiguous(), mix, rstd, pre, post, comb,
         tokens, n * hidden, norm_eps, eps,
         N=n, NV=_vector_width(n), NP=padded_streams(n), N_MIX=n_mix, ITERS=iters, HEAD=head,
@@ -240,8 +232,8 @@ def _grad_z_triton(mix, base, scale, grads, iters, eps, head):
     grad_pre = grads[0].reshape(tokens, n).float().contiguous()
     grad_post = empty if head else grads[1].reshape(tokens, n).float().contiguous()
     grad_comb = empty if head else grads[2].reshape(tokens, n * n).float().contiguous()
-    block = token_block(COEFFS_BLOCK_T)
-    _mhc_coeffs_bwd_maps_kernel[(triton.cdiv(tokens, block),)](
+    grid, block = launch_grid(tokens, COEFFS_BLOCK_T)
+    _mhc_coeffs_bwd_maps_kernel[grid](
         mix2d, base.float().contiguous(), scale.float().contiguous(), grad_pre, grad_post, grad_comb, grad_z,
         tokens, eps, N=n, NV=_vector_width(n), NP=padded_streams(n), N_MIX=n_mix, ITERS=iters, HEAD=head,
         BLOCK_T=block,
@@ -265,8 +257,8 @@ def _streams_grad_triton(streams, fn, grad_raw, correction):
     x = streams.reshape(-1, n * hidden).contiguous()
     tokens, n_mix = x.shape[0], grad_raw.shape[-1]
     grad_x = torch.empty_like(x)
-    block = token_block(COEFFS_BLOCK_T)
-    _mhc_coeffs_bwd_streams_kernel[(triton.cdiv(tokens, block),)](
+    grid, block = launch_grid(tokens, COEFFS_BLOCK_T)
+    _mhc_coeffs_bwd_streams_kernel[grid](
         x, fn.float().contiguous(), grad_raw.reshape(tokens, n_mix).contiguous(),
         correction.reshape(tokens).contiguous(), grad_x, tokens, n * hidden,
         N_MIX=n_mix, N_MIX_P=max(16, triton.next_power_of_2(n_mix)), BLOCK_T=block, BLOCK_K=COEFFS_BLOCK_K,

@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 
 from .coeffs_op import mhc_coeffs_fwd_op, mhc_head_weights_fwd_op
+from .common import interpreting
 from .post_res_op import mhc_post_res_fwd_op
 from .pre_op import mhc_pre_fwd_op
-from .sinkhorn_op import interpreting, sinkhorn_fwd_op
+from .sinkhorn_op import sinkhorn_fwd_op
 
 BACKENDS: tuple[str, ...] = ("torch", "triton")
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sinkhorn_op import token_block, without_autocast
+from .common import launch_grid, without_autocast
 
 POST_RES_BLOCK_T = 4
 POST_RES_BLOCK_C = 128
@@ -75,11 +75,6 @@ def _mhc_post_res_bwd_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, grad_out_ptr, gra
     tl.store(grad_comb_ptr + pair_offsets, grad_comb, mask=pair_mask)
 
 
-def _launch_grid(tokens: int) -> tuple[tuple[int], int]:
-    block = token_block(POST_RES_BLOCK_T)
-    return (triton.cdiv(tokens, block),), block
-
-
 def _block_c(n: int) -> int:
     """Columns per step: the backward holds ``[BLOCK_T, n, n, BLOCK_C]`` products, so wide n takes narrower steps."""
     return max(16, POST_RES_BLOCK_C // triton.next_power_of_2(n))
@@ -93,7 +88,7 @@ def post_res_forward(streams, y, post, comb, backend):
     n, hidden = streams.shape[-2:]
     x = streams.reshape(-1, n, hidden).contiguous()
     out = torch.empty_like(x)
-    grid, block = _launch_grid(x.shape[0])
+    grid, block = launch_grid(x.shape[0], POST_RES_BLOCK_T)
     _mhc_post_res_fwd_kernel[grid](
         x, y.reshape(-1, hidden).contiguous(), post.reshape(-1, n).float().contiguous(),
         comb.reshape(-1, n, n).float().contiguous(), out, x.shape[0], hidden, N=n, NP=triton.next_power_of_2(n),
@@ -118,7 +113,7 @@ def post_res_backward(streams, y, post, comb, grad_out, backend):
     grad_y = torch.empty(tokens, hidden, device=x.device, dtype=y.dtype)
     grad_post = torch.empty(tokens, n, device=x.device, dtype=torch.float32)
     grad_comb = torch.empty(tokens, n, n, device=x.device, dtype=torch.float32)
-    grid, block = _launch_grid(tokens)
+    grid, block = launch_grid(tokens, POST_RES_BLOCK_T)
     _mhc_post_res_bwd_kernel[grid](
         x, y.reshape(-1, hidden).contiguous(), post.reshape(-1, n).float().contiguous(),
         comb.reshape(-1, n, n).float().contiguous(), grad_out.reshape(-1, n, hidden).contiguous(), grad_x, grad_y,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sinkhorn_op import token_block, without_autocast
+from .common import launch_grid, without_autocast
 
 PRE_BLOCK_T = 4
 PRE_BLOCK_C = 256
@@ -59,11 +59,6 @@ def _mhc_pre_bwd_kernel(x_ptr, pre_ptr, grad_out_ptr, grad_x_ptr, grad_pre_ptr, 
     tl.store(grad_pre_ptr + tokens[:, None] * N + streams[None, :], grad_pre, mask=weight_mask)
 
 
-def _launch_grid(tokens: int) -> tuple[int, int]:
-    block = token_block(PRE_BLOCK_T)
-    return (triton.cdiv(tokens, block),), block
-
-
 @without_autocast
 def pre_forward(streams: torch.Tensor, pre: torch.Tensor, backend: str) -> torch.Tensor:
     if backend != "triton":
@@ -71,7 +66,7 @@ def pre_forward(streams: torch.Tensor, pre: torch.Tensor, backend: str) -> torch
     n, hidden = streams.shape[-2:]
     x = streams.reshape(-1, n, hidden).contiguous()
     out = torch.empty(x.shape[0], hidden, device=x.device, dtype=x.dtype)
-    grid, block = _launch_grid(x.shape[0])
+    grid, block = launch_grid(x.shape[0], PRE_BLOCK_T)
     _mhc_pre_fwd_kernel[grid](x, pre.reshape(-1, n).float().contiguous(), out, x.shape[0], hidden, N=n,
                               NP=triton.next_power_of_2(n), BLOCK_T=block, BLOCK_C=PRE_BLOCK_C)
     return out.view(*streams.shape[:-2], hidden)
@@ -87,7 +82,7 @@ def pre_backward(streams, pre, grad_out, backend):
     x = streams.reshape(-1, n, hidden).contiguous()
     grad_x = torch.empty_like(x)
     grad_pre = torch.empty(x.shape[0], n, device=x.device, dtype=torch.float32)
-    grid, block = _launch_grid(x.shape[0])
+    grid, block = launch_grid(x.shape[0], PRE_BLOCK_T)
     _mhc_pre_bwd_kernel[grid](x, pre.reshape(-1, n).float().contiguous(), grad_out.reshape(-1, hidden).contiguous(),
                               grad_x, grad_pre, x.shape[0], hidden, N=n, NP=triton.next_power_of_2(n), BLOCK_T=block,
                               BLOCK_C=PRE_BLOCK_C)

@@ -10,27 +10,13 @@ One normalisation step divides ``M`` by ``d = M.sum(axis) + eps``; its backward 
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from hf_mhc import mhc_reference
 
-
-def without_autocast(function):
-    """Run ``function`` with autocast off on its tensors' device: the mHC coefficient math stays float32 even inside
-    ``torch.autocast`` (which would otherwise run its matmuls in bf16)."""
-
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        device = next(a for a in args if isinstance(a, torch.Tensor)).device.type
-        with torch.autocast(device_type=device, enabled=False):
-            return function(*args, **kwargs)
-
-    return wrapper
+from .common import launch_grid, padded_streams, without_autocast
 
 
 @without_autocast
@@ -137,43 +123,15 @@ def _sinkhorn_bwd_kernel(logits_ptr, grad_comb_ptr, grad_logits_ptr, T, eps, N: 
     tl.store(grad_logits_ptr + offsets, sinkhorn_tile_backward(logits, grad_comb, valid, eps, ITERS), mask=mask)
 
 
-def interpreting() -> bool:
-    """Whether Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def token_block(gpu_block: int) -> int:
-    """Tokens per program: ``gpu_block`` on a GPU, 64 in the interpreter (whose cost is per operation)."""
-    return 64 if interpreting() else gpu_block
-
-
-CPU_CHUNK_BYTES = 4 * 2**20
-
-
-def token_slices(tokens: int, bytes_per_token: int):
-    """Token ranges of about 4 MiB of float32 working set each, for a torch kernel that makes several passes over
-    temporaries: they stay in cache and come from reused heap memory instead of fresh, page-faulting allocations the
-    size of all the streams (measured on the coefficient forward, 4096 tokens x 4096: 41 ms at 16 MiB, 20 ms at
-    4 MiB)."""
-    step = max(1, CPU_CHUNK_BYTES // bytes_per_token)
-    for start in range(0, tokens, step):
-        yield slice(start, start + step)
-
-
 SINKHORN_BLOCK_T = 16
-
-
-def padded_streams(n: int) -> int:
-    """Register width for n streams: a power of two, at least 4 so that an n x n tile has >= 16 entries."""
-    return max(4, triton.next_power_of_2(n))
 
 
 def sinkhorn_forward_triton(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     n = logits.shape[-1]
     flat = logits.reshape(-1, n, n).float().contiguous()
     comb = torch.empty_like(flat)
-    block = token_block(SINKHORN_BLOCK_T)
-    _sinkhorn_fwd_kernel[(triton.cdiv(flat.shape[0], block),)](
+    grid, block = launch_grid(flat.shape[0], SINKHORN_BLOCK_T)
+    _sinkhorn_fwd_kernel[grid](
         flat, comb, flat.shape[0], eps, N=n, NP=padded_streams(n), ITERS=iters, BLOCK_T=block
     )
     return comb.view(logits.shape)
@@ -184,8 +142,8 @@ def sinkhorn_backward_triton(logits: torch.Tensor, grad_comb: torch.Tensor, iter
     flat = logits.reshape(-1, n, n).float().contiguous()
     grad = grad_comb.reshape(-1, n, n).float().contiguous()
     grad_logits = torch.empty_like(flat)
-    block = token_block(SINKHORN_BLOCK_T)
-    _sinkhorn_bwd_kernel[(triton.cdiv(flat.shape[0], block),)](
+    grid, block = launch_grid(flat.shape[0], SINKHORN_BLOCK_T)
+    _sinkhorn_bwd_kernel[grid](
         flat, grad, grad_logits, flat.shape[0], eps, N=n, NP=padded_streams(n), ITERS=iters, BLOCK_T=block
     )
     return grad_logits.view(logits.shape)
