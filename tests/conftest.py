@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is evaluated (DESIGN §7)
+# The op tests run on TEST_DEVICE: "cpu" (default) runs the Triton kernels in the interpreter, which must be switched
+# on before any @triton.jit is evaluated (DESIGN §7); HF_MHC_TEST_DEVICE=cuda runs them compiled, on a GPU.
+TEST_DEVICE = os.environ.get("HF_MHC_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

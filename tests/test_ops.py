@@ -1,7 +1,8 @@
 """The public ops of hf_mhc.kernels, both backends, against an independent float64 transcription of DESIGN §3.
 
 The Triton backend runs on CPU tensors through the interpreter (``TRITON_INTERPRET=1``, set in conftest), so shapes
-stay at tens of tokens. Output buffers are poisoned with NaN first: a kernel that leaves an element unwritten fails.
+stay at tens of tokens; on a GPU machine ``HF_MHC_TEST_DEVICE=cuda`` runs the same tests on CUDA tensors with the
+compiled kernels. Output buffers are poisoned with NaN first: a kernel that leaves an element unwritten fails.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import math
 
 import pytest
 import torch
+from conftest import TEST_DEVICE
 
 from hf_mhc.kernels import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre, resolve_backend, sinkhorn
 from hf_mhc.kernels.profiling import saved_bytes_for_backward
@@ -66,6 +68,14 @@ def ref_head(x, hc_fn, hc_base, hc_scale, eps=HC_EPS, norm_eps=NORM_EPS):
     flat_n = flat / torch.sqrt((flat * flat).mean(-1, keepdim=True) + norm_eps)
     pre_h = torch.sigmoid(hc_scale * torch.einsum("...k,jk->...j", flat_n, hc_fn) + hc_base) + eps
     return ref_pre(x, pre_h)
+
+
+@pytest.fixture(autouse=True)
+def on_test_device():
+    """Every tensor a test creates lives on ``TEST_DEVICE``."""
+    torch.set_default_device(TEST_DEVICE)
+    yield
+    torch.set_default_device("cpu")
 
 
 @pytest.fixture(autouse=True)
@@ -230,11 +240,12 @@ def test_backend_selection(monkeypatch):
     x = torch.randn(1, 2, 2, 4)
     with pytest.raises(ValueError, match="available backends: torch, triton"):
         mhc_pre(x, torch.rand(1, 2, 2), backend="cuda-magic")
-    assert resolve_backend(None, x) == "torch"  # CPU tensors
-    assert resolve_backend("triton", x) == "triton"  # allowed here because conftest sets TRITON_INTERPRET=1
+    assert resolve_backend(None, x) == ("triton" if x.is_cuda else "torch")
+    assert resolve_backend("triton", x) == "triton"  # on CPU tensors, allowed because conftest sets TRITON_INTERPRET=1
+    x = x.cpu()
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="backend='triton' runs on CUDA tensors"):
-        mhc_pre(x, torch.rand(1, 2, 2), backend="triton")
+        mhc_pre(x, torch.rand(1, 2, 2, device="cpu"), backend="triton")
 
 
 @pytest.mark.parametrize("n", [1, 4, 8])
@@ -275,7 +286,7 @@ def test_coefficients_stay_float32_under_autocast(backend):
     x = torch.randn(1, 6, 4, 16)
     fn, base, scale = random_hc_params(4, 16)
     expected = mhc_coeffs(x, fn, base, scale, sinkhorn_iters=5, eps=HC_EPS, norm_eps=NORM_EPS, backend=backend)
-    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+    with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
         got = mhc_coeffs(x, fn, base, scale, sinkhorn_iters=5, eps=HC_EPS, norm_eps=NORM_EPS, backend=backend)
         merged = mhc_post_res(x, torch.randn(1, 6, 16), *got[1:], backend=backend)
     for ours, ref in zip(got, expected, strict=True):
