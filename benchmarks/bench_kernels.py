@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
 
-from hf_mhc.kernels import mhc_coeffs, mhc_post_res, mhc_pre
+from hf_mhc.kernels import mhc_coeffs, mhc_coeffs_pre, mhc_post_res, mhc_pre
 from hf_mhc.kernels.profiling import saved_bytes_for_backward
 
 
@@ -35,9 +35,9 @@ def deepseek_v4_site(hc: DeepseekV4HyperConnection, streams: torch.Tensor) -> to
 
 
 def hf_mhc_site(hc: DeepseekV4HyperConnection, streams: torch.Tensor, backend: str | None) -> torch.Tensor:
-    pre, post, comb = mhc_coeffs(streams, hc.fn, hc.base, hc.scale, sinkhorn_iters=hc.hc_sinkhorn_iters,
-                                 eps=hc.hc_eps, norm_eps=hc.input_norm.eps, backend=backend)
-    return mhc_post_res(streams, mhc_pre(streams, pre, backend=backend), post, comb, backend=backend)
+    y, post, comb = mhc_coeffs_pre(streams, hc.fn, hc.base, hc.scale, sinkhorn_iters=hc.hc_sinkhorn_iters,
+                                   eps=hc.hc_eps, norm_eps=hc.input_norm.eps, backend=backend)
+    return mhc_post_res(streams, y, post, comb, backend=backend)
 
 
 def forward_backward(site, streams, grad_out):

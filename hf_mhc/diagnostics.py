@@ -117,7 +117,8 @@ def capture_hc_maps(model: nn.Module) -> Iterator[HCCapture]:
     capture = HCCapture(sites={})
 
     def record_site(module: nn.Module, args: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-        pre, post, comb = output
+        with torch.no_grad():
+            pre, post, comb = module.maps(args[0])  # the site's forward returns the collapsed input, not pre
         capture.sites[module.sublayer_index] = HCSiteMaps(
             pre=pre.detach().float(),
             post=post.detach().float(),

@@ -92,6 +92,22 @@ def mhc_pre(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.float().unsqueeze(-1) * streams.float()).sum(dim=-2).to(streams.dtype)
 
 
+def mhc_coeffs_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    sinkhorn_iters: int,
+    eps: float,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A site's entry: the sublayer input ``y [..., C]`` (streams' dtype), ``post [..., n]`` and ``comb [..., n, n]``
+    (float32), i.e. ``mhc_coeffs`` followed by ``mhc_pre``."""
+    pre, post, comb = mhc_coeffs(streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps)
+    return mhc_pre(streams, pre), post, comb
+
+
 def mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New streams ``X'[i] = post[i] * y + sum_j comb[j, i] * X[j]`` (comb applied transposed).
 

@@ -30,9 +30,9 @@ from transformers.utils import can_return_tuple
 from .configuration_mhc import MHCConfig
 
 try:  # the plugin's dispatching ops (fused kernels where available)
-    from hf_mhc.kernels import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre, sinkhorn
+    from hf_mhc.kernels import mhc_coeffs, mhc_coeffs_pre, mhc_head, mhc_post_res, sinkhorn
 except ImportError:  # a checkpoint loaded as remote code on a machine without hf_mhc
-    from .mhc_reference import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre, sinkhorn
+    from .mhc_reference import mhc_coeffs, mhc_coeffs_pre, mhc_head, mhc_post_res, sinkhorn
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,8 @@ def expand_to_streams(embeddings: torch.Tensor, hc_mult: int) -> torch.Tensor:
 
 
 class MHCHyperConnection(nn.Module):
-    """The token-dependent maps of one sublayer: ``streams [B, T, n, C] -> pre, post [B, T, n], comb [B, T, n, n]``.
+    """The entry of one sublayer site: ``streams [B, T, n, C]`` -> the collapsed sublayer input ``[B, T, C]`` and the
+    token-dependent maps ``post [B, T, n]``, ``comb [B, T, n, n]`` (``maps`` gives ``pre`` too).
 
     Parameters (float32): ``fn [(n+2)*n, n*C]``, ``base [(n+2)*n]``, ``scale [3]``. ``sublayer_index`` counts the
     HC sites from the embedding (attention of layer l is ``2l``, its FFN ``2l + 1``); the initialisation uses it.
@@ -110,15 +111,16 @@ class MHCHyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return mhc_coeffs(
-            streams,
-            self.fn,
-            self.base,
-            self.scale,
-            sinkhorn_iters=self.hc_sinkhorn_iters,
-            eps=self.hc_eps,
-            norm_eps=self.norm_eps,
-        )
+        """``streams [B, T, n, C]`` -> the sublayer input ``[B, T, C]`` (``pre`` collapse), ``post [B, T, n]`` and
+        ``comb [B, T, n, n]`` (float32), in one op."""
+        return mhc_coeffs_pre(streams, self.fn, self.base, self.scale, **self._map_settings())
+
+    def maps(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The site's maps alone: ``pre [B, T, n]``, ``post [B, T, n]``, ``comb [B, T, n, n]`` (float32)."""
+        return mhc_coeffs(streams, self.fn, self.base, self.scale, **self._map_settings())
+
+    def _map_settings(self) -> dict:
+        return dict(sinkhorn_iters=self.hc_sinkhorn_iters, eps=self.hc_eps, norm_eps=self.norm_eps)
 
 
 class MHCHyperHead(nn.Module):
@@ -180,13 +182,13 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         return mhc_post_res(hidden_states, self.mlp(mlp_input), mlp_post, mlp_comb), attn_weights
 
     def _enter_attention(self, streams: torch.Tensor):
-        """Coefficients of the attention site and its normalised input ``[B, T, C]``."""
-        pre, post, comb = self.attn_hc(streams)
-        return self.input_layernorm(mhc_pre(streams, pre)), post, comb
+        """The attention site's normalised input ``[B, T, C]``, ``post`` and ``comb``."""
+        collapsed, post, comb = self.attn_hc(streams)
+        return self.input_layernorm(collapsed), post, comb
 
     def _enter_mlp(self, streams: torch.Tensor):
-        pre, post, comb = self.ffn_hc(streams)
-        return self.post_attention_layernorm(mhc_pre(streams, pre)), post, comb
+        collapsed, post, comb = self.ffn_hc(streams)
+        return self.post_attention_layernorm(collapsed), post, comb
 
     def _between(self, streams, attn_output, attn_post, attn_comb):
         """The streams between the two sublayers and the MLP site's entry, from the layer's input."""

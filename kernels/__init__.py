@@ -1,13 +1,23 @@
 """mHC ops (imported as ``hf_mhc.kernels``): see :mod:`hf_mhc.kernels.functional`."""
 
 if __name__ == "hf_mhc.kernels":
-    from .functional import BACKENDS, mhc_coeffs, mhc_head, mhc_post_res, mhc_pre, resolve_backend, sinkhorn
+    from .functional import (
+        BACKENDS,
+        mhc_coeffs,
+        mhc_coeffs_pre,
+        mhc_head,
+        mhc_post_res,
+        mhc_pre,
+        resolve_backend,
+        sinkhorn,
+    )
     from .integrations import apply_mhc_kernels
 
     __all__ = [
         "BACKENDS",
         "apply_mhc_kernels",
         "mhc_coeffs",
+        "mhc_coeffs_pre",
         "mhc_head",
         "mhc_post_res",
         "mhc_pre",

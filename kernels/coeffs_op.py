@@ -7,7 +7,8 @@ Sinkhorn per token in registers, in float32. Saved for backward: the streams (sh
 
 Backward: the maps' gradient w.r.t. ``mix`` (Sinkhorn recomputed, see ``sinkhorn_op``), then
 ``d flat = (d mix · rstd) @ fn - (rstd² / D) · <d mix, mix> · flat`` and ``d fn = (d mix · rstd)^T @ flat``.
-The reference for all of it is ``hf_mhc.mhc_reference.mhc_coeffs`` / ``mhc_head``.
+The reference for all of it is ``hf_mhc.mhc_reference.mhc_coeffs`` / ``mhc_head``. The head's weights are only used
+through ``coeffs_pre_op`` (coefficients and collapse in one op).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import triton.language as tl
 
 from hf_mhc import mhc_reference
 
-from .common import launch_grid, padded_streams, token_slices, without_autocast
+from .common import launch_grid, padded_streams, token_slices, without_autocast, zeros_if_none
 from .sinkhorn_op import sinkhorn_backward_torch, sinkhorn_forward_torch, sinkhorn_tile_backward, sinkhorn_tile_forward
 
 COEFFS_BLOCK_T = 16
@@ -134,11 +135,14 @@ def _mhc_coeffs_bwd_maps_kernel(
 
 @triton.jit
 def _mhc_coeffs_bwd_streams_kernel(
-    x_ptr, fn_ptr, grad_raw_ptr, correction_ptr, grad_x_ptr,
-    T, D,
+    x_ptr, fn_ptr, grad_raw_ptr, correction_ptr, pre_ptr, grad_y_ptr, grad_x_ptr,
+    T, D, C,
     N_MIX: tl.constexpr, N_MIX_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    COLLAPSE: tl.constexpr,
 ):
-    """``grad_x = grad_raw @ fn + correction * x`` with ``grad_raw = grad_mix * rstd`` ``[T, N_MIX]``."""
+    """``grad_x = grad_raw @ fn + correction * x`` with ``grad_raw = grad_mix * rstd`` ``[T, N_MIX]``; with
+    ``COLLAPSE``, plus the ``pre`` collapse's ``pre[i] * grad_y`` (flat column ``k`` is stream ``k // C``, channel
+    ``k % C``)."""
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     token_ok = tokens < T
     outs = tl.arange(0, N_MIX_P)
@@ -154,6 +158,10 @@ def _mhc_coeffs_bwd_streams_kernel(
         w = tl.load(fn_ptr + outs[:, None] * D + k[None, :], mask=outs_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptr + tokens[:, None] * D + k[None, :], mask=mask, other=0.0)
         grad_x = tl.dot(grad_raw, w.to(tl.float32), input_precision="ieee") + correction[:, None] * x.to(tl.float32)
+        if COLLAPSE:
+            pre = tl.load(pre_ptr + tokens[:, None] * (D // C) + k[None, :] // C, mask=mask, other=0.0)
+            grad_y = tl.load(grad_y_ptr + tokens[:, None] * C + k[None, :] % C, mask=mask, other=0.0)
+            grad_x += pre * grad_y.to(tl.float32)
         tl.store(grad_x_ptr + tokens[:, None] * D + k[None, :], grad_x.to(grad_x_ptr.dtype.element_ty), mask=mask)
 
 
@@ -184,8 +192,9 @@ def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head)
 
 
 def _mix_torch(streams, fn, norm_eps):
-    """``mix = (flat * rstd) @ fn.T`` and ``rstd`` (normalising first rounds exactly like the reference), a chunk of
-    tokens at a time (``token_slices``)."""
+    """``mix = (flat * rstd) @ fn.T`` and ``rstd`` (normalising first rounds like the reference: scaling the product
+    instead, or taking rstd from ``vector_norm``, was measured 2-7x further from float64), a chunk of tokens at a
+    time (``token_slices``)."""
     flat = streams.reshape(-1, streams.shape[-2] * streams.shape[-1])
     fn32 = fn.float()
     mix = flat.new_empty(flat.shape[0], fn.shape[0], dtype=torch.float32)
@@ -246,29 +255,40 @@ def _per_column(scale, n, head):
     return torch.repeat_interleave(scale.float(), torch.tensor(_map_sizes(n, head), device=scale.device))
 
 
-def _streams_grad_torch(streams, fn, grad_raw, correction):
+def _streams_grad_torch(streams, fn, grad_raw, correction, collapse):
     flat = streams.flatten(-2).float()
     grad_flat = (grad_raw @ fn.float()).addcmul_(correction.unsqueeze(-1), flat)
-    return grad_flat.to(streams.dtype).view(streams.shape)
+    grad_streams = grad_flat.view(streams.shape)
+    if collapse is not None:
+        pre, grad_y = collapse
+        grad_streams.addcmul_(pre.float().unsqueeze(-1), grad_y.float().unsqueeze(-2))
+    return grad_streams.to(streams.dtype)
 
 
-def _streams_grad_triton(streams, fn, grad_raw, correction):
+def _streams_grad_triton(streams, fn, grad_raw, correction, collapse):
     n, hidden = streams.shape[-2:]
     x = streams.reshape(-1, n * hidden).contiguous()
     tokens, n_mix = x.shape[0], grad_raw.shape[-1]
     grad_x = torch.empty_like(x)
+    if collapse is None:
+        pre, grad_y = x.new_empty(0, dtype=torch.float32), x.new_empty(0)
+    else:
+        pre = collapse[0].reshape(tokens, n).float().contiguous()
+        grad_y = collapse[1].reshape(tokens, hidden).contiguous()
     grid, block = launch_grid(tokens, COEFFS_BLOCK_T)
     _mhc_coeffs_bwd_streams_kernel[grid](
         x, fn.float().contiguous(), grad_raw.reshape(tokens, n_mix).contiguous(),
-        correction.reshape(tokens).contiguous(), grad_x, tokens, n * hidden,
+        correction.reshape(tokens).contiguous(), pre, grad_y, grad_x, tokens, n * hidden, hidden,
         N_MIX=n_mix, N_MIX_P=max(16, triton.next_power_of_2(n_mix)), BLOCK_T=block, BLOCK_K=COEFFS_BLOCK_K,
+        COLLAPSE=collapse is not None,
     )
     return grad_x.view(streams.shape)
 
 
 @without_autocast
-def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, backend, head):
-    """``(d streams, d fn, d base, d scale)`` from the gradients of the maps (``pre[, post, comb]``)."""
+def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, backend, head, collapse=None):
+    """``(d streams, d fn, d base, d scale)`` from the gradients of the maps (``pre[, post, comb]``). ``collapse =
+    (pre, d y)`` adds the ``pre`` collapse's own stream gradient ``pre[i] · d y`` in the same pass."""
     n, hidden = streams.shape[-2:]
     grad_z = (_grad_z_triton if backend == "triton" else _grad_z_torch)(mix, base, scale, grads, iters, eps, head)
     grad_mix = grad_z * _per_column(scale, n, head)
@@ -277,9 +297,10 @@ def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, back
     grad_raw = grad_mix * rstd.unsqueeze(-1)
     correction = -(rstd.square() / (n * hidden)) * (grad_mix * mix).sum(-1)
     grad_streams = (_streams_grad_triton if backend == "triton" else _streams_grad_torch)(
-        streams, fn, grad_raw, correction
+        streams, fn, grad_raw, correction, collapse
     )
-    grad_fn = grad_raw.reshape(-1, mix.shape[-1]).T @ streams.reshape(-1, n * hidden).float()
+    # (flat.T @ grad_raw).T: the same product, a third faster on CPU than grad_raw.T @ flat (a transposed skinny A)
+    grad_fn = (streams.reshape(-1, n * hidden).float().T @ grad_raw.reshape(-1, mix.shape[-1])).T
     return grad_streams, grad_fn.to(fn.dtype), grad_base.to(base.dtype), grad_scale.to(scale.dtype)
 
 
@@ -340,67 +361,15 @@ def _coeffs_setup_context(ctx, inputs, output):
     ctx.sinkhorn_iters, ctx.eps, ctx.backend = sinkhorn_iters, eps, backend
 
 
-def _zeros_if_none(grad, like):
-    return torch.zeros_like(like) if grad is None else grad.contiguous()
-
-
 def _coeffs_backward(ctx, grad_pre, grad_post, grad_comb, grad_mix, grad_rstd):
     streams, fn, base, scale, mix, rstd = ctx.saved_tensors
     lead, n = streams.shape[:-2], streams.shape[-2]
     like = streams.new_empty(*lead, n, dtype=torch.float32)
     grads = mhc_coeffs_bwd_op(
-        streams, fn, base, scale, mix, rstd, _zeros_if_none(grad_pre, like), _zeros_if_none(grad_post, like),
-        _zeros_if_none(grad_comb, like.unsqueeze(-1).expand(*lead, n, n)), ctx.sinkhorn_iters, ctx.eps, ctx.backend,
+        streams, fn, base, scale, mix, rstd, zeros_if_none(grad_pre, like), zeros_if_none(grad_post, like),
+        zeros_if_none(grad_comb, like.unsqueeze(-1).expand(*lead, n, n)), ctx.sinkhorn_iters, ctx.eps, ctx.backend,
     )
     return (*grads, None, None, None, None)
 
 
 mhc_coeffs_fwd_op.register_autograd(_coeffs_backward, setup_context=_coeffs_setup_context)
-
-
-@torch.library.custom_op("hf_mhc::mhc_head_weights_fwd", mutates_args=())
-def mhc_head_weights_fwd_op(
-    streams: torch.Tensor, hc_fn: torch.Tensor, hc_base: torch.Tensor, hc_scale: torch.Tensor, eps: float,
-    norm_eps: float, backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return coeffs_forward(streams, hc_fn, hc_base, hc_scale, 1, eps, norm_eps, backend, head=True)
-
-
-@mhc_head_weights_fwd_op.register_fake
-def _(streams, hc_fn, hc_base, hc_scale, eps, norm_eps, backend):
-    lead, n = streams.shape[:-2], streams.shape[-2]
-    f32 = torch.float32
-    return streams.new_empty(*lead, n, dtype=f32), streams.new_empty(*lead, n, dtype=f32), streams.new_empty(
-        lead, dtype=f32)
-
-
-@torch.library.custom_op("hf_mhc::mhc_head_weights_bwd", mutates_args=())
-def mhc_head_weights_bwd_op(
-    streams: torch.Tensor, hc_fn: torch.Tensor, hc_base: torch.Tensor, hc_scale: torch.Tensor, mix: torch.Tensor,
-    rstd: torch.Tensor, grad_pre: torch.Tensor, eps: float, backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return coeffs_backward(streams, hc_fn, hc_base, hc_scale, mix, rstd, (grad_pre,), 1, eps, backend, head=True)
-
-
-@mhc_head_weights_bwd_op.register_fake
-def _(streams, hc_fn, hc_base, hc_scale, mix, rstd, grad_pre, eps, backend):
-    return (torch.empty_like(streams), torch.empty_like(hc_fn), torch.empty_like(hc_base),
-            torch.empty_like(hc_scale))
-
-
-def _head_setup_context(ctx, inputs, output):
-    streams, hc_fn, hc_base, hc_scale, eps, norm_eps, backend = inputs
-    _, mix, rstd = output
-    ctx.save_for_backward(streams, hc_fn, hc_base, hc_scale, mix, rstd)
-    ctx.mark_non_differentiable(mix, rstd)
-    ctx.eps, ctx.backend = eps, backend
-
-
-def _head_backward(ctx, grad_pre, grad_mix, grad_rstd):
-    streams, hc_fn, hc_base, hc_scale, mix, rstd = ctx.saved_tensors
-    grads = mhc_head_weights_bwd_op(streams, hc_fn, hc_base, hc_scale, mix, rstd,
-                                    _zeros_if_none(grad_pre, mix), ctx.eps, ctx.backend)
-    return (*grads, None, None, None)
-
-
-mhc_head_weights_fwd_op.register_autograd(_head_backward, setup_context=_head_setup_context)

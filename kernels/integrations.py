@@ -7,7 +7,7 @@ from types import MethodType
 import torch
 from torch import nn
 
-from .functional import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre, resolve_backend
+from .functional import mhc_coeffs_pre, mhc_head, mhc_post_res, resolve_backend
 
 SUPPORTED_MODELS = "DeepseekV4 (hyper-connections, head and stream merge) and Glm5Next (hyper-connections)"
 
@@ -15,11 +15,11 @@ SUPPORTED_MODELS = "DeepseekV4 (hyper-connections, head and stream merge) and Gl
 def _hyper_connection_forward(backend: str | None):
     def forward(self, hidden_streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[B, S, n, D]`` -> ``post [B, S, n]``, ``comb [B, S, n, n]``, ``collapsed [B, S, D]``, as upstream."""
-        pre, post, comb = mhc_coeffs(
+        collapsed, post, comb = mhc_coeffs_pre(
             hidden_streams, self.fn, self.base, self.scale, sinkhorn_iters=self.hc_sinkhorn_iters, eps=self.hc_eps,
             norm_eps=self.input_norm.eps, backend=backend,
         )
-        return post, comb, mhc_pre(hidden_streams, pre, backend=backend)
+        return post, comb, collapsed
 
     return forward
 

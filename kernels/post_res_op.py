@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launch_grid, without_autocast
+from .common import batched_dots, launch_grid, without_autocast
 
 POST_RES_BLOCK_T = 4
 POST_RES_BLOCK_C = 128
@@ -102,8 +102,8 @@ def post_res_backward(streams, y, post, comb, grad_out, backend):
     if backend != "triton":
         grad32, streams32, y32 = grad_out.float(), streams.float(), y.float()
         grad_streams = torch.matmul(comb.float(), grad32).to(streams.dtype)
-        grad_y = torch.einsum("...i,...ic->...c", post.float(), grad32).to(y.dtype)
-        grad_post = torch.einsum("...ic,...c->...i", grad32, y32)
+        grad_y = torch.matmul(post.float().unsqueeze(-2), grad32).squeeze(-2).to(y.dtype)
+        grad_post = batched_dots(grad32, y32)
         grad_comb = torch.matmul(streams32, grad32.transpose(-1, -2))
         return grad_streams, grad_y, grad_post, grad_comb
     n, hidden = streams.shape[-2:]

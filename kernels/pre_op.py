@@ -1,8 +1,10 @@
 """``mhc_pre``: collapse ``[T, n, C]`` streams with weights ``pre [T, n]`` into the sublayer input ``[T, C]``.
 
 Forward reads ``n·C`` and writes ``C`` per token. Backward: ``d X[i] = pre[i] · g`` and ``d pre[i] = <g, X[i]>``, one
-kernel that walks C once per token block, so the reduction stays in registers. Saved for backward: the streams
-(shared with the other ops of the site) and ``pre``. Reference: ``hf_mhc.mhc_reference.mhc_pre``.
+kernel that walks C once per token block, so the reduction stays in registers. ``pre_weights_grad`` is the same kernel
+writing ``d pre`` only, for ``mhc_coeffs_pre``, whose backward folds ``pre[i] · g`` into its own stream gradient.
+Saved for backward: the streams (shared with the other ops of the site) and ``pre``.
+Reference: ``hf_mhc.mhc_reference.mhc_pre``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import launch_grid, without_autocast
+from .common import batched_dots, launch_grid, without_autocast
 
 PRE_BLOCK_T = 4
 PRE_BLOCK_C = 256
@@ -38,7 +40,7 @@ def _mhc_pre_fwd_kernel(x_ptr, pre_ptr, out_ptr, T, C, N: tl.constexpr, NP: tl.c
 
 @triton.jit
 def _mhc_pre_bwd_kernel(x_ptr, pre_ptr, grad_out_ptr, grad_x_ptr, grad_pre_ptr, T, C, N: tl.constexpr,
-                        NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                        NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, WRITE_GRAD_X: tl.constexpr):
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     streams = tl.arange(0, NP)
     token_ok = tokens < T
@@ -54,15 +56,16 @@ def _mhc_pre_bwd_kernel(x_ptr, pre_ptr, grad_out_ptr, grad_x_ptr, grad_pre_ptr, 
         grad_out = tl.load(grad_out_ptr + tokens[:, None] * C + c[None, :], mask=token_ok[:, None] & (c < C)[None, :],
                            other=0.0).to(tl.float32)
         grad_pre += tl.sum(grad_out[:, None, :] * x, axis=2)
-        tl.store(grad_x_ptr + offsets, (pre[:, :, None] * grad_out[:, None, :]).to(grad_x_ptr.dtype.element_ty),
-                 mask=mask)
+        if WRITE_GRAD_X:
+            tl.store(grad_x_ptr + offsets, (pre[:, :, None] * grad_out[:, None, :]).to(grad_x_ptr.dtype.element_ty),
+                     mask=mask)
     tl.store(grad_pre_ptr + tokens[:, None] * N + streams[None, :], grad_pre, mask=weight_mask)
 
 
 @without_autocast
 def pre_forward(streams: torch.Tensor, pre: torch.Tensor, backend: str) -> torch.Tensor:
     if backend != "triton":
-        return torch.einsum("...i,...ic->...c", pre.float(), streams.float()).to(streams.dtype)
+        return torch.matmul(pre.float().unsqueeze(-2), streams.float()).squeeze(-2).to(streams.dtype)
     n, hidden = streams.shape[-2:]
     x = streams.reshape(-1, n, hidden).contiguous()
     out = torch.empty(x.shape[0], hidden, device=x.device, dtype=x.dtype)
@@ -72,21 +75,37 @@ def pre_forward(streams: torch.Tensor, pre: torch.Tensor, backend: str) -> torch
     return out.view(*streams.shape[:-2], hidden)
 
 
-@without_autocast
-def pre_backward(streams, pre, grad_out, backend):
-    if backend != "triton":
-        grad_out32 = grad_out.float()
-        grad_streams = (pre.float().unsqueeze(-1) * grad_out32.unsqueeze(-2)).to(streams.dtype)
-        return grad_streams, torch.einsum("...c,...ic->...i", grad_out32, streams.float())
+def _pre_backward_triton(streams, pre, grad_out, write_grad_x):
     n, hidden = streams.shape[-2:]
     x = streams.reshape(-1, n, hidden).contiguous()
-    grad_x = torch.empty_like(x)
+    grad_x = torch.empty_like(x) if write_grad_x else x.new_empty(0)
     grad_pre = torch.empty(x.shape[0], n, device=x.device, dtype=torch.float32)
     grid, block = launch_grid(x.shape[0], PRE_BLOCK_T)
     _mhc_pre_bwd_kernel[grid](x, pre.reshape(-1, n).float().contiguous(), grad_out.reshape(-1, hidden).contiguous(),
                               grad_x, grad_pre, x.shape[0], hidden, N=n, NP=triton.next_power_of_2(n), BLOCK_T=block,
-                              BLOCK_C=PRE_BLOCK_C)
-    return grad_x.view(streams.shape), grad_pre.view(pre.shape)
+                              BLOCK_C=PRE_BLOCK_C, WRITE_GRAD_X=write_grad_x)
+    return grad_x.view(streams.shape) if write_grad_x else None, grad_pre.view(pre.shape)
+
+
+def _pre_weights_grad_torch(streams, grad_out):
+    """``d pre [..., n] = <g, X[i]>``."""
+    return batched_dots(streams.float(), grad_out.float())
+
+
+@without_autocast
+def pre_weights_grad(streams: torch.Tensor, pre: torch.Tensor, grad_out: torch.Tensor, backend: str) -> torch.Tensor:
+    """``d pre [..., n]`` (float32) from ``d out [..., C]``, without the stream gradient."""
+    if backend != "triton":
+        return _pre_weights_grad_torch(streams, grad_out)
+    return _pre_backward_triton(streams, pre, grad_out, write_grad_x=False)[1]
+
+
+@without_autocast
+def pre_backward(streams, pre, grad_out, backend):
+    if backend != "triton":
+        grad_streams = (pre.float().unsqueeze(-1) * grad_out.float().unsqueeze(-2)).to(streams.dtype)
+        return grad_streams, _pre_weights_grad_torch(streams, grad_out)
+    return _pre_backward_triton(streams, pre, grad_out, write_grad_x=True)
 
 
 @torch.library.custom_op("hf_mhc::mhc_pre_fwd", mutates_args=())

@@ -7,7 +7,8 @@ import torch
 from conftest import VOCAB, tiny_backbone_config
 
 from hf_mhc import MHCConfig, MHCForCausalLM
-from hf_mhc.kernels.coeffs_op import mhc_coeffs_fwd_op, mhc_head_weights_fwd_op
+from hf_mhc.kernels.coeffs_op import mhc_coeffs_fwd_op
+from hf_mhc.kernels.coeffs_pre_op import mhc_coeffs_pre_fwd_op, mhc_head_fwd_op
 from hf_mhc.kernels.post_res_op import mhc_post_res_fwd_op
 from hf_mhc.kernels.pre_op import mhc_pre_fwd_op
 from hf_mhc.kernels.sinkhorn_op import sinkhorn_fwd_op
@@ -16,21 +17,21 @@ from hf_mhc.kernels.sinkhorn_op import sinkhorn_fwd_op
 def _op_cases(n=3, hidden=8):
     streams = torch.randn(2, 3, n, hidden, requires_grad=True)
     weights = torch.rand(2, 3, n, requires_grad=True)
+    site_params = (torch.randn((n + 2) * n, n * hidden, requires_grad=True),
+                   torch.randn((n + 2) * n, requires_grad=True), torch.rand(3, requires_grad=True))
     return [
         (sinkhorn_fwd_op, (torch.randn(2, 3, n, n, requires_grad=True), 5, 1e-6, "torch")),
-        (mhc_coeffs_fwd_op, (streams, torch.randn((n + 2) * n, n * hidden, requires_grad=True),
-                             torch.randn((n + 2) * n, requires_grad=True), torch.rand(3, requires_grad=True), 5, 1e-6,
-                             1e-6, "torch")),
-        (mhc_head_weights_fwd_op, (streams, torch.randn(n, n * hidden, requires_grad=True),
-                                   torch.randn(n, requires_grad=True), torch.rand(1, requires_grad=True), 1e-6, 1e-6,
-                                   "torch")),
+        (mhc_coeffs_fwd_op, (streams, *site_params, 5, 1e-6, 1e-6, "torch")),
+        (mhc_coeffs_pre_fwd_op, (streams, *site_params, 5, 1e-6, 1e-6, "torch")),
+        (mhc_head_fwd_op, (streams, torch.randn(n, n * hidden, requires_grad=True), torch.randn(n, requires_grad=True),
+                           torch.rand(1, requires_grad=True), 1e-6, 1e-6, "torch")),
         (mhc_pre_fwd_op, (streams, weights, "torch")),
         (mhc_post_res_fwd_op, (streams, torch.randn(2, 3, hidden, requires_grad=True), weights,
                                torch.rand(2, 3, n, n, requires_grad=True), "torch")),
     ]
 
 
-@pytest.mark.parametrize("index", range(5), ids=["sinkhorn", "coeffs", "head_weights", "pre", "post_res"])
+@pytest.mark.parametrize("index", range(6), ids=["sinkhorn", "coeffs", "coeffs_pre", "head", "pre", "post_res"])
 def test_custom_op_registration(index):
     op, args = _op_cases()[index]
     torch.library.opcheck(op, args)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import TEST_DEVICE
 
-from hf_mhc.kernels import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre, resolve_backend, sinkhorn
+from hf_mhc.kernels import mhc_coeffs, mhc_coeffs_pre, mhc_head, mhc_post_res, mhc_pre, resolve_backend, sinkhorn
 from hf_mhc.kernels.profiling import saved_bytes_for_backward
 
 BACKENDS = ["torch", "triton"]
@@ -146,6 +146,41 @@ def test_mhc_coeffs_forward_and_grad(backend, shape, dtype):
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_mhc_coeffs_pre_forward_and_grad(backend, shape, dtype):
+    """Coefficients and collapse in one op: one backward node whose stream gradient carries both paths."""
+    b, t, n, c = shape
+    iters = ITERS if n in (3, 4) else 4
+    x = leaf(torch.randn(shape).to(dtype))
+    fn, base, scale = (leaf(p) for p in random_hc_params(n, c))
+    y, post, comb = mhc_coeffs_pre(x, fn, base, scale, sinkhorn_iters=iters, eps=HC_EPS, norm_eps=NORM_EPS,
+                                   backend=backend)
+    assert y.dtype == dtype and y.shape == (b, t, c)
+    assert post.dtype == comb.dtype == torch.float32 and comb.shape == (b, t, n, n)
+    x64, fn64, base64, scale64 = as64(x, fn, base, scale)
+    pre64, post64, comb64 = ref_coeffs(x64, fn64, base64, scale64, iters=iters)
+    refs = (ref_pre(x64, pre64), post64, comb64)
+    torch.testing.assert_close(y.double(), refs[0], **TOLERANCES[dtype])
+    for mine, ref in zip((post, comb), refs[1:], strict=True):
+        torch.testing.assert_close(mine.double(), ref, atol=1e-5, rtol=1e-5)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
+    check_grads([x, fn, base, scale], (y, post, comb), [x64, fn64, base64, scale64], refs, tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mhc_coeffs_pre_grad_through_the_collapse_alone(backend):
+    """``post`` and ``comb`` unused: autograd hands the op None for them, and only the collapse path is left."""
+    x = leaf(torch.randn(2, 5, 3, 12))
+    fn, base, scale = (leaf(p) for p in random_hc_params(3, 12))
+    y, _, _ = mhc_coeffs_pre(x, fn, base, scale, sinkhorn_iters=ITERS, eps=HC_EPS, norm_eps=NORM_EPS,
+                             backend=backend)
+    x64, fn64, base64, scale64 = as64(x, fn, base, scale)
+    ref = ref_pre(x64, ref_coeffs(x64, fn64, base64, scale64)[0])
+    check_grads([x, fn, base, scale], y, [x64, fn64, base64, scale64], ref, dict(atol=1e-4, rtol=1e-4))
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_mhc_pre_forward_and_grad(backend, shape, dtype):
     b, t, n, c = shape
     x = leaf(torch.randn(shape).to(dtype))
@@ -248,9 +283,10 @@ def test_backend_selection(monkeypatch):
         mhc_pre(x, torch.rand(1, 2, 2, device="cpu"), backend="triton")
 
 
+@pytest.mark.parametrize("fused_entry", [True, False], ids=["mhc_coeffs_pre", "mhc_coeffs+mhc_pre"])
 @pytest.mark.parametrize("n", [1, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_one_site_saves_at_most_the_streams_the_output_and_512_bytes_per_token(n, dtype):
+def test_one_site_saves_at_most_the_streams_the_output_and_512_bytes_per_token(n, dtype, fused_entry):
     """Memory-light backward: per token, a site keeps the streams, the sublayer output and its float32 coefficients
     (``mix``, ``rstd``, ``pre``, ``post``, ``comb``: 196 bytes for n = 4, within the issue's 512)."""
     tokens, hidden = 24, 64
@@ -258,9 +294,13 @@ def test_one_site_saves_at_most_the_streams_the_output_and_512_bytes_per_token(n
     fn, base, scale = (p.requires_grad_(True) for p in random_hc_params(n, hidden))
 
     def site():
-        pre, post, comb = mhc_coeffs(x, fn, base, scale, sinkhorn_iters=ITERS, eps=HC_EPS, norm_eps=NORM_EPS)
-        y = mhc_pre(x, pre)  # identity sublayer
-        return mhc_post_res(x, y, post, comb)
+        settings = dict(sinkhorn_iters=ITERS, eps=HC_EPS, norm_eps=NORM_EPS)
+        if fused_entry:
+            y, post, comb = mhc_coeffs_pre(x, fn, base, scale, **settings)
+        else:
+            pre, post, comb = mhc_coeffs(x, fn, base, scale, **settings)
+            y = mhc_pre(x, pre)
+        return mhc_post_res(x, y, post, comb)  # identity sublayer
 
     saved = saved_bytes_for_backward(site, exclude=(fn, base, scale))
     coefficient_bytes = 4 * ((n + 2) * n + 1 + n + n + n * n)
