@@ -6,10 +6,11 @@ from types import MethodType
 
 import torch
 from torch import nn
+from transformers.utils.deprecation import deprecate_kwarg
 
 from .functional import mhc_coeffs_pre, mhc_head, mhc_post_res, resolve_backend
 
-SUPPORTED_MODELS = "DeepseekV4 (hyper-connections, head and stream merge) and Glm5Next (hyper-connections)"
+SUPPORTED_MODELS = "DeepseekV4 and Glm5Next (hyper-connections, stream merges, and DeepSeek-V4's weighted head)"
 
 
 def _hyper_connection_forward(backend: str | None):
@@ -45,13 +46,48 @@ def _deepseek_v4_decoder_forward(backend: str | None):
     return forward
 
 
+def _glm5_next_decoder_forward(backend: str | None):
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        prev_topk_indices: torch.Tensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """GLM-5-Next's decoder layer (linear or indexed attention) with both stream merges fused (``mhc_post_res``);
+        returns ``(streams, topk_indices)`` as upstream."""
+        post, comb, collapsed = self.attn_hc(hidden_states)
+        attn_input = self.input_layernorm(collapsed)
+        topk_indices = None
+        if self.block_type == "linear_attention":
+            attn_output = self.self_attn(hidden_states=attn_input, cache=cache, attention_mask=attention_mask, **kwargs)
+        else:
+            attn_output, _, topk_indices = self.self_attn(
+                hidden_states=attn_input, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                use_cache=use_cache, position_embeddings=position_embeddings, prev_topk_indices=prev_topk_indices,
+                **kwargs,
+            )
+        hidden_states = mhc_post_res(hidden_states, attn_output, post, comb, backend=backend)
+        post, comb, collapsed = self.ffn_hc(hidden_states)
+        mlp_output = self.mlp(self.post_attention_layernorm(collapsed))
+        return mhc_post_res(hidden_states, mlp_output, post, comb, backend=backend), topk_indices
+
+    return forward
+
+
 def apply_mhc_kernels(model: nn.Module, backend: str | None = None) -> nn.Module:
     """Patch, in place, a transformers model carrying DeepSeek-V4's hyper-connection design so that its mHC math
     runs through ``hf_mhc.kernels`` (fused Triton kernels on CUDA, memory-light torch kernels elsewhere).
 
-    DeepSeek-V4: ``DeepseekV4HyperConnection``, ``DeepseekV4HyperHead`` and the stream merge of
-    ``DeepseekV4DecoderLayer``. GLM-5-Next: ``Glm5NextTextHyperConnection`` (its head is a plain mean and its merge
-    stays upstream's). The numbers are unchanged up to float32 rounding. Returns ``model``.
+    DeepSeek-V4: ``DeepseekV4HyperConnection``, ``DeepseekV4HyperHead`` and the stream merges of
+    ``DeepseekV4DecoderLayer``. GLM-5-Next: ``Glm5NextTextHyperConnection`` and the stream merges of
+    ``Glm5NextTextDecoderLayer`` (its head is a plain mean, left as it is). The numbers are unchanged up to float32
+    rounding. Returns ``model``.
     """
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dsv4
     from transformers.models.glm5_next import modeling_glm5_next as glm5
@@ -63,6 +99,7 @@ def apply_mhc_kernels(model: nn.Module, backend: str | None = None) -> nn.Module
         glm5.Glm5NextTextHyperConnection: _hyper_connection_forward(backend),
         dsv4.DeepseekV4HyperHead: _hyper_head_forward(backend),
         dsv4.DeepseekV4DecoderLayer: _deepseek_v4_decoder_forward(backend),
+        glm5.Glm5NextTextDecoderLayer: _glm5_next_decoder_forward(backend),
     }
     patched = 0
     for module in model.modules():

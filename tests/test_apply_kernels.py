@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
-from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextHyperConnection
+from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextHyperConnection, Glm5NextTextModel
 
 from hf_mhc import apply_mhc_kernels
 
@@ -45,6 +46,42 @@ def test_deepseek_v4_logits_and_gradients_are_unchanged(backend):
     logits, grads = loss_and_grads(patched, ids)
     torch.testing.assert_close(logits, logits_ref, atol=1e-5, rtol=1e-5)
     assert grads.keys() == grads_ref.keys()
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def tiny_glm5_next():
+    """Both attention kinds (linear, indexed) and both MLP kinds (dense, MoE), with uneven token-dependent maps."""
+    config = Glm5NextTextConfig(
+        vocab_size=67, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
+        q_lora_rank=16, qk_rope_head_dim=0, v_head_dim=16, qk_nope_head_dim=16, index_topk=16, index_kpool=4,
+        index_head_dim=16, index_n_heads=2, linear_head_dim=16, linear_num_heads=2, max_position_embeddings=64,
+        pad_token_id=0, layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+    )
+    model = Glm5NextTextModel(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "_hc." in name:
+                param.normal_(0.5, 0.5) if name.endswith(("base", "scale")) else param.normal_(0, 0.05)
+    return model
+
+
+@pytest.mark.parametrize("backend", [None, "triton"])
+def test_glm5_next_hidden_states_and_gradients_are_unchanged(backend):
+    upstream = tiny_glm5_next().train()
+    patched = apply_mhc_kernels(copy.deepcopy(upstream), backend=backend)
+    assert sum("forward" in vars(m) for m in patched.modules()) == 6  # 4 hyper-connections, 2 decoder layers
+    ids = torch.randint(1, 67, (2, 12))
+    upstream_grad = torch.randn(2, 12, 32)
+    results = []
+    for model in (upstream, patched):
+        hidden = model(ids).last_hidden_state
+        hidden.backward(upstream_grad)
+        results.append((hidden.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (hidden_ref, grads_ref), (hidden, grads) = results
+    torch.testing.assert_close(hidden, hidden_ref, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == grads_ref.keys() and any("_hc.fn" in name for name in grads)
     for name in grads_ref:
         torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-5, rtol=1e-4, msg=name)
 
