@@ -103,14 +103,14 @@ def sinkhorn_tile_backward(logits, grad_comb, valid, eps, ITERS: tl.constexpr):
         matrix = tl.where(valid, probs + eps, 0.0)
         for earlier in range(0, step):
             matrix = _normalise(matrix, earlier, eps)
+        # The two branches name their denominators apart: Triton's compiler needs a name bound in both branches of a
+        # runtime `if` to have one shape (the interpreter does not check this).
         if step % 2 == 0:
-            denominator = tl.sum(matrix, axis=1)[:, None, :] + eps
-            out = matrix / denominator
-            grad = (grad - tl.sum(grad * out, axis=1)[:, None, :]) / denominator
+            column_sums = tl.sum(matrix, axis=1)[:, None, :] + eps
+            grad = (grad - tl.sum(grad * (matrix / column_sums), axis=1)[:, None, :]) / column_sums
         else:
-            denominator = tl.sum(matrix, axis=2)[:, :, None] + eps
-            out = matrix / denominator
-            grad = (grad - tl.sum(grad * out, axis=2)[:, :, None]) / denominator
+            row_sums = tl.sum(matrix, axis=2)[:, :, None] + eps
+            grad = (grad - tl.sum(grad * (matrix / row_sums), axis=2)[:, :, None]) / row_sums
         grad = tl.where(valid, grad, 0.0)  # padding must not carry gradient into the next (eps-sized) denominator
     return probs * (grad - tl.sum(grad * probs, axis=2)[:, :, None])
 

@@ -1,0 +1,43 @@
+"""Every Triton kernel compiles for a real GPU, not only for the interpreter that runs them in the other tests.
+
+The interpreter accepts programs that Triton's compiler rejects (it found one: a name bound to two shapes in the two
+branches of a runtime ``if``). ``workers/compile_for_cuda.py`` runs the real launchers with GPU block sizes and
+compiles each launch down to an sm_90 (H100 / H200) cubin with the LLVM and ptxas that ship in the triton wheel: no
+GPU needed. It also reads each cubin's resource usage: no kernel may spill registers to local memory or ask for more
+shared memory than an sm_90 block can have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hf_mhc.kernels import coeffs_op, post_res_op, pre_op, sinkhorn_op
+
+WORKER = Path(__file__).parent / "workers" / "compile_for_cuda.py"
+# n = 3 (padded to 4), n = 8 (the widest tiles) and both 16-bit stream dtypes; each case compiles every kernel.
+CASES = ["3:float32", "8:bfloat16", "4:float16"]
+SM90_MAX_SHARED_BYTES = 227 * 1024
+
+
+def kernel_names() -> set[str]:
+    return {name for module in (coeffs_op, post_res_op, pre_op, sinkhorn_op) for name in vars(module)
+            if name.startswith("_") and name.endswith("_kernel")}
+
+
+def test_every_kernel_compiles_for_sm90_without_spills():
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, str(WORKER), "--arch", "90", "--cases", *CASES], capture_output=True,
+                            text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    launches = [json.loads(line) for line in result.stdout.splitlines()]
+    assert {launch["kernel"] for launch in launches} == kernel_names()
+    assert {(launch["n"], launch["dtype"]) for launch in launches} == {
+        (int(n), dtype) for n, dtype in (case.split(":") for case in CASES)
+    }
+    for launch in launches:
+        assert launch["local_bytes"] == 0, f"register spills: {launch}"
+        assert launch["dynamic_shared_bytes"] + launch["shared_bytes"] <= SM90_MAX_SHARED_BYTES, launch
