@@ -4,14 +4,16 @@ hf_mhc.kernels against transformers' DeepSeek-V4 path (``DeepseekV4HyperConnecti
     .venv/bin/python benchmarks/bench_kernels.py            # n=4, C=1024, 4096 tokens, fp32, on CPU
     .venv/bin/python benchmarks/bench_kernels.py --json benchmarks/results/kernels_cpu.json
 
-Reports the median time of repeats measured side by side in one run (the two paths alternate, so machine noise hits
-both), their ratio, and the bytes each saves for backward per token (``saved_tensors_hooks``, distinct storages, the
-parameters excluded). On a CUDA device it also times each Triton kernel and reports its achieved memory bandwidth.
+Reports the median time of repeats measured side by side in one run (the paths alternate, so machine noise hits
+all of them), their ratio, and the bytes each saves for backward per token (``saved_tensors_hooks``, distinct storages,
+the parameters excluded). On a CUDA device it also times each Triton kernel and reports its achieved memory
+bandwidth; with Liger-Kernel installed, its ``liger_mhc_*`` ops run beside ours (as a third path, and per op).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -23,6 +25,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Hyper
 
 from hf_mhc.kernels import mhc_coeffs, mhc_coeffs_pre, mhc_post_res, mhc_pre
 from hf_mhc.kernels.profiling import saved_bytes_for_backward
+
+DSV4_PATH, OURS_PATH, LIGER_PATH = "transformers DeepseekV4HyperConnection + merge", "hf_mhc.kernels", "Liger-Kernel"
 
 
 def deepseek_v4_site(hc: DeepseekV4HyperConnection, streams: torch.Tensor) -> torch.Tensor:
@@ -38,6 +42,28 @@ def hf_mhc_site(hc: DeepseekV4HyperConnection, streams: torch.Tensor, backend: s
     y, post, comb = mhc_coeffs_pre(streams, hc.fn, hc.base, hc.scale, sinkhorn_iters=hc.hc_sinkhorn_iters,
                                    eps=hc.hc_eps, norm_eps=hc.input_norm.eps, backend=backend)
     return mhc_post_res(streams, y, post, comb, backend=backend)
+
+
+class LigerSite:
+    """Liger-Kernel's mHC ops (``liger_mhc_coeffs``, ``liger_mhc_pre``, ``liger_mhc_post_res``; CUDA only) on the same
+    parameters. Liger takes ``phi = fn.T`` and applies ``h_res`` untransposed: the same traffic and FLOPs."""
+
+    def __init__(self, hc: DeepseekV4HyperConnection):
+        from liger_kernel.transformers import functional
+
+        self.ops = functional
+        self.hc = hc
+        self.phi = hc.fn.detach().T.contiguous().requires_grad_(True)  # stored the way Liger's layout wants it
+
+    def coeffs(self, streams):
+        hc = self.hc
+        return self.ops.liger_mhc_coeffs(streams, self.phi, hc.base, hc.scale[0], hc.scale[1], hc.scale[2],
+                                         allow_fp32=True, tmax=hc.hc_sinkhorn_iters, rms_eps=hc.input_norm.eps,
+                                         pre_eps=hc.hc_eps, sinkhorn_eps=hc.hc_eps)
+
+    def __call__(self, streams):
+        pre, post, res = self.coeffs(streams)
+        return self.ops.liger_mhc_post_res(streams, self.ops.liger_mhc_pre(streams, pre), post, res)
 
 
 def forward_backward(site, streams, grad_out):
@@ -62,8 +88,10 @@ def median_seconds(run, device, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def kernel_bandwidth(hc, streams, backend: str, repeats: int, peak_gbps: float | None) -> list[dict]:
-    """Forward time and achieved memory bandwidth of each op alone (bytes it must read and write, per token)."""
+def kernel_bandwidth(hc, streams, backend: str, repeats: int, peak_gbps: float | None,
+                     liger: LigerSite | None) -> list[dict]:
+    """Forward time and achieved memory bandwidth of each op alone (bytes it must read and write, per token), ours and,
+    when given, Liger-Kernel's."""
     tokens, n, hidden = streams.shape[1], streams.shape[2], streams.shape[3]
     element = streams.element_size()
     with torch.no_grad():
@@ -78,13 +106,22 @@ def kernel_bandwidth(hc, streams, backend: str, repeats: int, peak_gbps: float |
         "mhc_post_res": (lambda: mhc_post_res(streams, y, post, comb, backend=backend),
                          (2 * n + 1) * hidden * element + 4 * (n + n * n)),
     }
+    runs = [(name, backend, run, bytes_per_token) for name, (run, bytes_per_token) in ops.items()]
+    if liger is not None:
+        liger_runs = {
+            "mhc_coeffs": lambda: liger.coeffs(streams),
+            "mhc_pre": lambda: liger.ops.liger_mhc_pre(streams, pre),
+            "mhc_post_res": lambda: liger.ops.liger_mhc_post_res(streams, y, post, comb),
+        }
+        runs += [(name, "liger", liger_runs[name], ops[name][1]) for name in ops]
     rows = []
     with torch.no_grad():
-        for name, (run, bytes_per_token) in ops.items():
+        for name, op_backend, run, bytes_per_token in runs:
             seconds = median_seconds(run, streams.device, repeats)
             gbps = bytes_per_token * tokens / seconds / 1e9
-            rows.append({"op": name, "backend": backend, "median_ms": 1e3 * seconds, "bytes_per_token": bytes_per_token,
-                         "achieved_gbps": gbps, "fraction_of_peak": gbps / peak_gbps if peak_gbps else None})
+            rows.append({"op": name, "backend": op_backend, "median_ms": 1e3 * seconds,
+                         "bytes_per_token": bytes_per_token, "achieved_gbps": gbps,
+                         "fraction_of_peak": gbps / peak_gbps if peak_gbps else None})
     return rows
 
 
@@ -114,9 +151,13 @@ def main() -> None:
     streams = torch.randn(1, args.tokens, args.n, args.hidden, device=device, dtype=dtype, requires_grad=True)
     grad_out = torch.randn_like(streams)
     paths = {
-        "transformers DeepseekV4HyperConnection + merge": lambda x: deepseek_v4_site(hc, x),
-        "hf_mhc.kernels": lambda x: hf_mhc_site(hc, x, None),
+        DSV4_PATH: lambda x: deepseek_v4_site(hc, x),
+        OURS_PATH: lambda x: hf_mhc_site(hc, x, None),
     }
+    liger = None
+    if device.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None:
+        liger = LigerSite(hc)
+        paths[LIGER_PATH] = liger
     for site in paths.values():  # warm-up (and Triton compilation)
         forward_backward(site, streams, grad_out)
     times = {name: [] for name in paths}
@@ -127,7 +168,7 @@ def main() -> None:
             forward_backward(site, streams, grad_out)
             synchronize(device)
             times[name].append(time.perf_counter() - start)
-    params = tuple(hc.parameters())
+    params = tuple(hc.parameters()) + ((liger.phi,) if liger else ())
     results = {
         "config": {"n": args.n, "hidden": args.hidden, "tokens": args.tokens, "dtype": args.dtype,
                    "device": str(device), "repeats": args.repeats, "threads": torch.get_num_threads()},
@@ -137,8 +178,10 @@ def main() -> None:
         saved = saved_bytes_for_backward(lambda site=site: site(streams), exclude=params)
         results["paths"][name] = {"median_ms": 1e3 * statistics.median(times[name]),
                                   "saved_bytes_per_token": saved / args.tokens}
-    baseline, ours = (results["paths"][name] for name in paths)
+    baseline, ours = results["paths"][DSV4_PATH], results["paths"][OURS_PATH]
     results["speedup"] = baseline["median_ms"] / ours["median_ms"]
+    if liger:
+        results["speedup_vs_liger"] = results["paths"][LIGER_PATH]["median_ms"] / ours["median_ms"]
     results["saved_bytes_budget_per_token"] = (args.n + 1) * args.hidden * streams.element_size() + 512
 
     print(f"one mHC site, forward + backward: n={args.n}, C={args.hidden}, {args.tokens} tokens, {args.dtype}, "
@@ -149,15 +192,17 @@ def main() -> None:
         print(f"| {name} | {row['median_ms']:.1f} | {row['saved_bytes_per_token']:,.0f} |")
     print(f"speed-up: {results['speedup']:.2f}x; budget (n+1)*C*bytes + 512 = "
           f"{results['saved_bytes_budget_per_token']:,} bytes/token")
+    if liger:
+        print(f"against Liger-Kernel: {results['speedup_vs_liger']:.2f}x")
     backend = "triton" if device.type == "cuda" else "torch"
-    results["kernels"] = kernel_bandwidth(hc, streams.detach(), backend, args.repeats, args.peak_gbps)
-    print(f"forward of each op alone ({backend} backend): bytes it must move per token, achieved bandwidth")
-    print("| op | median ms | bytes/token | GB/s | of peak |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    results["kernels"] = kernel_bandwidth(hc, streams.detach(), backend, args.repeats, args.peak_gbps, liger)
+    print("forward of each op alone: bytes it must move per token, achieved bandwidth")
+    print("| op | backend | median ms | bytes/token | GB/s | of peak |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
     for row in results["kernels"]:
         peak = f"{100 * row['fraction_of_peak']:.0f} %" if row["fraction_of_peak"] else "n/a"
-        print(f"| {row['op']} | {row['median_ms']:.2f} | {row['bytes_per_token']:,} | {row['achieved_gbps']:.1f} | "
-              f"{peak} |")
+        print(f"| {row['op']} | {row['backend']} | {row['median_ms']:.2f} | {row['bytes_per_token']:,} | "
+              f"{row['achieved_gbps']:.1f} | {peak} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
