@@ -193,7 +193,7 @@ def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head)
 
 def _mix_torch(streams, fn, norm_eps):
     """``mix = (flat * rstd) @ fn.T`` and ``rstd`` (normalising first rounds like the reference: scaling the product
-    instead, or taking rstd from ``vector_norm``, was measured 2-7x further from float64), a chunk of tokens at a
+    instead, or taking rstd from ``vector_norm``, was measured 4-7x further from float64), a chunk of tokens at a
     time (``token_slices``)."""
     flat = streams.reshape(-1, streams.shape[-2] * streams.shape[-1])
     fn32 = fn.float()
