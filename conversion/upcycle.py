@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from hf_mhc.configuration_mhc import SUPPORTED_BACKBONES, MHCConfig
-from hf_mhc.modeling_mhc import HC_MODULE_NAMES, MHCForCausalLM
+from hf_mhc.modeling_mhc import HC_MODULE_NAMES, MHCForCausalLM, function_preserving_hc_tensors
 
 
 def is_hc_parameter(name: str) -> bool:
@@ -49,7 +49,8 @@ def upcycle(model: PreTrainedModel | str | os.PathLike, hc_mult: int = 4, **hc_o
     config = mhc_config_for(model.config, hc_mult=hc_mult, **hc_options)
     config._attn_implementation = model.config._attn_implementation
     source_state = model.state_dict()
-    mhc_model = MHCForCausalLM(config)
+    with torch.device("meta"):  # no memory and no random initialisation: every tensor is assigned below
+        mhc_model = MHCForCausalLM(config)
     expected = {name for name in mhc_model.state_dict() if not is_hc_parameter(name)}
     missing = sorted(expected - set(source_state))
     unexpected = sorted(set(source_state) - expected)
@@ -58,15 +59,24 @@ def upcycle(model: PreTrainedModel | str | os.PathLike, hc_mult: int = 4, **hc_o
             f"{type(model).__name__} does not match an mHC {config.backbone_config.model_type} layout: "
             f"missing {missing[:5]}, unexpected {unexpected[:5]}."
         )
-    dtype = next(model.parameters()).dtype
-    with torch.no_grad():
-        for name, param in mhc_model.named_parameters():
-            if not is_hc_parameter(name):
-                param.data = source_state[name].detach().clone().to(dtype)
-        for name, buffer in mhc_model.named_buffers():
-            if name in source_state:
-                buffer.copy_(source_state[name])
+    first = next(model.parameters())
+    dtype, device = first.dtype, first.device
+    parameter_names = {name for name, _ in mhc_model.named_parameters(remove_duplicate=False)}
+    state = {  # copies: the source model stays independent of the new one
+        name: source_state[name].detach().to(device=device, dtype=dtype if name in parameter_names else None,
+                                            copy=True)
+        for name in expected
+    }
+    hc_tensors = function_preserving_hc_tensors(config)
+    state.update({name: tensor.to(device).contiguous() for name, tensor in hc_tensors.items()})
+    mhc_model.load_state_dict(state, strict=True, assign=True)
     mhc_model.tie_weights()
+    rotary = mhc_model.model.rotary_emb  # its inverse frequencies are non-persistent buffers: computed, not loaded
+    mhc_model.model.rotary_emb = type(rotary)(config=config.backbone_config).to(device)
+    tensors = (*mhc_model.named_parameters(), *mhc_model.named_buffers())
+    still_meta = [name for name, tensor in tensors if tensor.is_meta]
+    if still_meta:
+        raise RuntimeError(f"upcycle left tensors without data: {still_meta[:5]}; please report this as a bug.")
     mhc_model.generation_config = copy.deepcopy(model.generation_config)
     mhc_model.train(model.training)
-    return mhc_model.to(next(model.parameters()).device)
+    return mhc_model

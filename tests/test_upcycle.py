@@ -41,6 +41,18 @@ def test_upcycle_copies_weights_not_references():
     assert not torch.equal(mhc.model.layers[0].self_attn.q_proj.weight, source.model.layers[0].self_attn.q_proj.weight)
 
 
+def test_upcycle_builds_without_a_random_initialisation():
+    """The mHC model is built on the meta device and every tensor is assigned: no throwaway random backbone (for a
+    large model that would be a second, float32 copy of it), so upcycling draws no random numbers."""
+    source = source_model("mistral", tied=True)
+    rng_before = torch.get_rng_state()
+    mhc = hf_mhc.upcycle(source)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert not any(t.is_meta for t in (*mhc.parameters(), *mhc.buffers()))
+    assert mhc.lm_head.weight is mhc.model.embed_tokens.weight
+    torch.testing.assert_close(mhc.model.rotary_emb.inv_freq, source.model.rotary_emb.inv_freq, atol=0, rtol=0)
+
+
 def test_upcycle_keeps_dtype_and_hc_in_float32():
     source = source_model("qwen3", tied=True).to(torch.bfloat16)
     mhc = hf_mhc.upcycle(source, hc_mult=4)
