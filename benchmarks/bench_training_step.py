@@ -58,6 +58,8 @@ def recomputing(model, enabled: bool):
 def training_step(model, ids) -> None:
     model.zero_grad(set_to_none=True)
     model(ids, labels=ids, use_cache=False).loss.backward()
+    if ids.is_cuda:
+        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -67,15 +69,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden),
                          num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=2,
                          max_position_embeddings=args.tokens, attn_implementation="sdpa")
-    residual = LlamaForCausalLM(config).train()
+    residual = LlamaForCausalLM(config).to(args.device).train()
     mhc = hf_mhc.upcycle(residual, hc_mult=args.n).train()
-    ids = torch.randint(0, config.vocab_size, (1, args.tokens))
+    ids = torch.randint(0, config.vocab_size, (1, args.tokens), device=args.device)
     runs = {
         "residual Llama": lambda: training_step(residual, ids),
         f"mHC n={args.n}, hf_mhc.kernels": lambda: training_step(mhc, ids),
@@ -93,7 +96,7 @@ def main() -> None:
     medians = {name: 1e3 * statistics.median(times) for name, times in samples.items()}
     baseline = medians["residual Llama"]
     print(f"training step (forward + backward): Llama C={args.hidden}, {args.layers} layers, {args.tokens} tokens, "
-          f"fp32, {torch.get_num_threads()} CPU threads, median of {args.repeats}")
+          f"fp32, {args.device} ({torch.get_num_threads()} CPU threads), median of {args.repeats}")
     print("| model | median ms | over the residual model |")
     print("| --- | ---: | ---: |")
     for name, value in medians.items():
