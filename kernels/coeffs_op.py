@@ -26,6 +26,15 @@ from .sinkhorn_op import sinkhorn_backward_torch, sinkhorn_forward_torch, sinkho
 
 COEFFS_BLOCK_T = 16
 COEFFS_BLOCK_K = 128
+SHARED_MEMORY_BUDGET = 96 * 1024  # bytes per program: fits the smallest of sm_80 / 86 / 89 / 90 (99 KB on sm_86, 89)
+
+
+def _block_k(n_mix: int) -> int:
+    """Columns of ``flat`` per step. The ``fn`` tile ``[n_mix (padded), BLOCK_K]`` and its ``tl.dot`` operands live in
+    shared memory, so wide maps (n = 8: 80 rows, padded to 128) take narrower steps to stay within
+    ``SHARED_MEMORY_BUDGET``."""
+    rows = max(16, triton.next_power_of_2(n_mix))
+    return COEFFS_BLOCK_K if rows <= 32 else max(16, COEFFS_BLOCK_K * 32 // rows)
 
 
 def _vector_width(n: int) -> int:
@@ -183,7 +192,7 @@ def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head)
         x, fn.contiguous(), base.float().contiguous(), scale.float().contiguous(), mix, rstd, pre, post, comb,
         tokens, n * hidden, norm_eps, eps,
         N=n, NV=_vector_width(n), NP=padded_streams(n), N_MIX=n_mix, ITERS=iters, HEAD=head,
-        BLOCK_T=block, BLOCK_K=COEFFS_BLOCK_K,
+        BLOCK_T=block, BLOCK_K=_block_k(n_mix),
     )
     lead = streams.shape[:-2]
     if head:
@@ -279,7 +288,7 @@ def _streams_grad_triton(streams, fn, grad_raw, correction, collapse):
     _mhc_coeffs_bwd_streams_kernel[grid](
         x, fn.float().contiguous(), grad_raw.reshape(tokens, n_mix).contiguous(),
         correction.reshape(tokens).contiguous(), pre, grad_y, grad_x, tokens, n * hidden, hidden,
-        N_MIX=n_mix, N_MIX_P=max(16, triton.next_power_of_2(n_mix)), BLOCK_T=block, BLOCK_K=COEFFS_BLOCK_K,
+        N_MIX=n_mix, N_MIX_P=max(16, triton.next_power_of_2(n_mix)), BLOCK_T=block, BLOCK_K=_block_k(n_mix),
         COLLAPSE=collapse is not None,
     )
     return grad_x.view(streams.shape)

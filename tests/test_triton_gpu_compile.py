@@ -4,7 +4,8 @@ The interpreter accepts programs that Triton's compiler rejects (it found one: a
 branches of a runtime ``if``). ``workers/compile_for_cuda.py`` runs the real launchers with GPU block sizes and
 compiles each launch down to an sm_90 (H100 / H200) cubin with the LLVM and ptxas that ship in the triton wheel: no
 GPU needed. It also reads each cubin's resource usage: no kernel may spill registers to local memory or ask for more
-shared memory than an sm_90 block can have.
+shared memory per block than the smallest limit among recent GPUs (99 KB on sm_86 / sm_89; sm_80 has 163 KB,
+sm_90 227 KB).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from hf_mhc.kernels import coeffs_op, post_res_op, pre_op, sinkhorn_op
 WORKER = Path(__file__).parent / "workers" / "compile_for_cuda.py"
 # n = 3 (padded to 4), n = 8 (the widest tiles) and both 16-bit stream dtypes; each case compiles every kernel.
 CASES = ["3:float32", "8:bfloat16", "4:float16"]
-SM90_MAX_SHARED_BYTES = 227 * 1024
+SMALLEST_MAX_SHARED_BYTES = 99 * 1024  # per block on sm_86 / sm_89 (RTX 30xx / 40xx, L4, A10)
 
 
 def kernel_names() -> set[str]:
@@ -40,4 +41,4 @@ def test_every_kernel_compiles_for_sm90_without_spills():
     }
     for launch in launches:
         assert launch["local_bytes"] == 0, f"register spills: {launch}"
-        assert launch["dynamic_shared_bytes"] + launch["shared_bytes"] <= SM90_MAX_SHARED_BYTES, launch
+        assert launch["dynamic_shared_bytes"] + launch["shared_bytes"] <= SMALLEST_MAX_SHARED_BYTES, launch
