@@ -86,8 +86,9 @@ def apply_mhc_kernels(model: nn.Module, backend: str | None = None) -> nn.Module
 
     DeepSeek-V4: ``DeepseekV4HyperConnection``, ``DeepseekV4HyperHead`` and the stream merges of
     ``DeepseekV4DecoderLayer``. GLM-5-Next: ``Glm5NextTextHyperConnection`` and the stream merges of
-    ``Glm5NextTextDecoderLayer`` (its head is a plain mean, left as it is). The numbers are unchanged up to float32
-    rounding. Returns ``model``.
+    ``Glm5NextTextDecoderLayer`` (its head is a plain mean, left as it is). In float32 the numbers are upstream's up
+    to rounding. With bf16 / fp16 streams the merges compute in float32 and round once, where upstream first rounds
+    ``post`` and ``comb`` to the stream dtype. Returns ``model``.
     """
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dsv4
     from transformers.models.glm5_next import modeling_glm5_next as glm5
