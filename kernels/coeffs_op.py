@@ -21,7 +21,7 @@ import triton.language as tl
 
 from hf_mhc import mhc_reference
 
-from .common import launch_grid, padded_streams, token_slices, without_autocast, zeros_if_none
+from .common import launch_grid, map_token_chunks, padded_streams, token_slices, without_autocast, zeros_if_none
 from .sinkhorn_op import sinkhorn_backward_torch, sinkhorn_forward_torch, sinkhorn_tile_backward, sinkhorn_tile_forward
 
 COEFFS_BLOCK_T = 16
@@ -264,17 +264,30 @@ def _per_column(scale, n, head):
     return torch.repeat_interleave(scale.float(), torch.tensor(_map_sizes(n, head), device=scale.device))
 
 
-def _streams_grad_torch(streams, fn, grad_raw, correction, collapse):
-    flat = streams.flatten(-2).float()
-    grad_flat = (grad_raw @ fn.float()).addcmul_(correction.unsqueeze(-1), flat)
-    grad_streams = grad_flat.view(streams.shape)
-    if collapse is not None:
-        pre, grad_y = collapse
-        grad_streams.addcmul_(pre.float().unsqueeze(-1), grad_y.float().unsqueeze(-2))
-    return grad_streams.to(streams.dtype)
+def _streams_and_fn_grad_torch(streams, fn, grad_raw, correction, collapse):
+    """``(d streams, d fn)``: per token ``d flat = grad_raw @ fn + correction · flat`` (plus ``pre[i] · d y`` with
+    ``collapse``), and ``d fn = grad_raw^T @ flat`` summed over the tokens (``map_token_chunks``)."""
+    n, hidden = streams.shape[-2:]
+    fn32 = fn.float()
+    grad_fn = fn32.new_zeros(fn.shape)
+
+    def chunk_grads(x, raw, corr, *pre_and_grad_y):
+        x32 = x.float()
+        grad = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # [..., n, C], written whole below
+        torch.matmul(raw, fn32, out=grad.view(*x.shape[:-2], n * hidden))
+        grad.addcmul_(corr[..., None, None], x32)
+        if pre_and_grad_y:
+            pre, grad_y = pre_and_grad_y
+            grad.addcmul_(pre.float().unsqueeze(-1), grad_y.float().unsqueeze(-2))
+        flat, raw2d = x32.reshape(-1, n * hidden), raw.reshape(-1, raw.shape[-1])
+        grad_fn.add_((flat.T @ raw2d).T)  # the same product, a third faster on CPU than raw.T @ flat (a skinny A.T)
+        return (grad,)
+
+    inputs = (streams, grad_raw, correction, *(collapse or ()))
+    return map_token_chunks(chunk_grads, inputs, (streams.dtype,), 4 * 2 * n * hidden)[0], grad_fn
 
 
-def _streams_grad_triton(streams, fn, grad_raw, correction, collapse):
+def _streams_and_fn_grad_triton(streams, fn, grad_raw, correction, collapse):
     n, hidden = streams.shape[-2:]
     x = streams.reshape(-1, n * hidden).contiguous()
     tokens, n_mix = x.shape[0], grad_raw.shape[-1]
@@ -291,7 +304,8 @@ def _streams_grad_triton(streams, fn, grad_raw, correction, collapse):
         N_MIX=n_mix, N_MIX_P=max(16, triton.next_power_of_2(n_mix)), BLOCK_T=block, BLOCK_K=_block_k(n_mix),
         COLLAPSE=collapse is not None,
     )
-    return grad_x.view(streams.shape)
+    grad_fn = (x.float().T @ grad_raw.reshape(tokens, n_mix)).T
+    return grad_x.view(streams.shape), grad_fn
 
 
 @without_autocast
@@ -305,11 +319,9 @@ def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, back
     grad_scale = torch.stack([part.sum() for part in (grad_z * mix).split(_map_sizes(n, head), dim=-1)])
     grad_raw = grad_mix * rstd.unsqueeze(-1)
     correction = -(rstd.square() / (n * hidden)) * (grad_mix * mix).sum(-1)
-    grad_streams = (_streams_grad_triton if backend == "triton" else _streams_grad_torch)(
+    grad_streams, grad_fn = (_streams_and_fn_grad_triton if backend == "triton" else _streams_and_fn_grad_torch)(
         streams, fn, grad_raw, correction, collapse
     )
-    # (flat.T @ grad_raw).T: the same product, a third faster on CPU than grad_raw.T @ flat (a transposed skinny A)
-    grad_fn = (streams.reshape(-1, n * hidden).float().T @ grad_raw.reshape(-1, mix.shape[-1])).T
     return grad_streams, grad_fn.to(fn.dtype), grad_base.to(base.dtype), grad_scale.to(scale.dtype)
 
 

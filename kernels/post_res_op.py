@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import batched_dots, launch_grid, without_autocast
+from .common import batched_dots, launch_grid, map_token_chunks, without_autocast
 
 POST_RES_BLOCK_T = 4
 POST_RES_BLOCK_C = 128
@@ -75,6 +75,18 @@ def _mhc_post_res_bwd_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, grad_out_ptr, gra
     tl.store(grad_comb_ptr + pair_offsets, grad_comb, mask=pair_mask)
 
 
+def _merge_torch(x, y, post, comb):
+    mixed = torch.matmul(comb.float().transpose(-1, -2), x.float())
+    return (mixed.addcmul_(post.float().unsqueeze(-1), y.float().unsqueeze(-2)),)
+
+
+def _merge_backward_torch(x, y, post, comb, grad_out):
+    """``(d X, d y, d post, d comb)`` of one chunk of tokens, in float32."""
+    grad32 = grad_out.float()
+    return (torch.matmul(comb.float(), grad32), torch.matmul(post.float().unsqueeze(-2), grad32).squeeze(-2),
+            batched_dots(grad32, y.float()), torch.matmul(x.float(), grad32.transpose(-1, -2)))
+
+
 def _block_c(n: int) -> int:
     """Columns per step: the backward holds ``[BLOCK_T, n, n, BLOCK_C]`` products, so wide n takes narrower steps."""
     return max(16, POST_RES_BLOCK_C // triton.next_power_of_2(n))
@@ -82,10 +94,9 @@ def _block_c(n: int) -> int:
 
 @without_autocast
 def post_res_forward(streams, y, post, comb, backend):
-    if backend != "triton":
-        mixed = torch.matmul(comb.float().transpose(-1, -2), streams.float())
-        return mixed.addcmul_(post.float().unsqueeze(-1), y.float().unsqueeze(-2)).to(streams.dtype)
     n, hidden = streams.shape[-2:]
+    if backend != "triton":
+        return map_token_chunks(_merge_torch, (streams, y, post, comb), (streams.dtype,), 4 * (2 * n + 1) * hidden)[0]
     x = streams.reshape(-1, n, hidden).contiguous()
     out = torch.empty_like(x)
     grid, block = launch_grid(x.shape[0], POST_RES_BLOCK_T)
@@ -99,14 +110,10 @@ def post_res_forward(streams, y, post, comb, backend):
 
 @without_autocast
 def post_res_backward(streams, y, post, comb, grad_out, backend):
-    if backend != "triton":
-        grad32, streams32, y32 = grad_out.float(), streams.float(), y.float()
-        grad_streams = torch.matmul(comb.float(), grad32).to(streams.dtype)
-        grad_y = torch.matmul(post.float().unsqueeze(-2), grad32).squeeze(-2).to(y.dtype)
-        grad_post = batched_dots(grad32, y32)
-        grad_comb = torch.matmul(streams32, grad32.transpose(-1, -2))
-        return grad_streams, grad_y, grad_post, grad_comb
     n, hidden = streams.shape[-2:]
+    if backend != "triton":
+        return tuple(map_token_chunks(_merge_backward_torch, (streams, y, post, comb, grad_out),
+                                      (streams.dtype, y.dtype, torch.float32, torch.float32), 4 * (3 * n + 1) * hidden))
     x = streams.reshape(-1, n, hidden).contiguous()
     tokens = x.shape[0]
     grad_x = torch.empty_like(x)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import batched_dots, launch_grid, without_autocast
+from .common import batched_dots, launch_grid, map_token_chunks, without_autocast
 
 PRE_BLOCK_T = 4
 PRE_BLOCK_C = 256
@@ -64,9 +64,9 @@ def _mhc_pre_bwd_kernel(x_ptr, pre_ptr, grad_out_ptr, grad_x_ptr, grad_pre_ptr, 
 
 @without_autocast
 def pre_forward(streams: torch.Tensor, pre: torch.Tensor, backend: str) -> torch.Tensor:
-    if backend != "triton":
-        return torch.matmul(pre.float().unsqueeze(-2), streams.float()).squeeze(-2).to(streams.dtype)
     n, hidden = streams.shape[-2:]
+    if backend != "triton":
+        return map_token_chunks(_collapse_torch, (streams, pre), (streams.dtype,), 4 * (n + 1) * hidden)[0]
     x = streams.reshape(-1, n, hidden).contiguous()
     out = torch.empty(x.shape[0], hidden, device=x.device, dtype=x.dtype)
     grid, block = launch_grid(x.shape[0], PRE_BLOCK_T)
@@ -87,24 +87,37 @@ def _pre_backward_triton(streams, pre, grad_out, write_grad_x):
     return grad_x.view(streams.shape) if write_grad_x else None, grad_pre.view(pre.shape)
 
 
-def _pre_weights_grad_torch(streams, grad_out):
+def _collapse_torch(x, pre):
+    return (torch.matmul(pre.float().unsqueeze(-2), x.float()).squeeze(-2),)
+
+
+def _collapse_backward_torch(x, pre, grad_out):
+    grad32 = grad_out.float()
+    return pre.float().unsqueeze(-1) * grad32.unsqueeze(-2), batched_dots(x.float(), grad32)
+
+
+def _pre_weights_grad_torch(x, grad_out):
     """``d pre [..., n] = <g, X[i]>``."""
-    return batched_dots(streams.float(), grad_out.float())
+    return (batched_dots(x.float(), grad_out.float()),)
 
 
 @without_autocast
 def pre_weights_grad(streams: torch.Tensor, pre: torch.Tensor, grad_out: torch.Tensor, backend: str) -> torch.Tensor:
     """``d pre [..., n]`` (float32) from ``d out [..., C]``, without the stream gradient."""
     if backend != "triton":
-        return _pre_weights_grad_torch(streams, grad_out)
+        n, hidden = streams.shape[-2:]
+        return map_token_chunks(_pre_weights_grad_torch, (streams, grad_out), (torch.float32,),
+                                4 * (n + 1) * hidden)[0]
     return _pre_backward_triton(streams, pre, grad_out, write_grad_x=False)[1]
 
 
 @without_autocast
 def pre_backward(streams, pre, grad_out, backend):
     if backend != "triton":
-        grad_streams = (pre.float().unsqueeze(-1) * grad_out.float().unsqueeze(-2)).to(streams.dtype)
-        return grad_streams, _pre_weights_grad_torch(streams, grad_out)
+        n, hidden = streams.shape[-2:]
+        grad_streams, grad_pre = map_token_chunks(_collapse_backward_torch, (streams, pre, grad_out),
+                                                  (streams.dtype, torch.float32), 4 * (2 * n + 1) * hidden)
+        return grad_streams, grad_pre
     return _pre_backward_triton(streams, pre, grad_out, write_grad_x=True)
 
 

@@ -13,7 +13,17 @@ import pytest
 import torch
 from conftest import TEST_DEVICE
 
-from hf_mhc.kernels import mhc_coeffs, mhc_coeffs_pre, mhc_head, mhc_post_res, mhc_pre, resolve_backend, sinkhorn
+from hf_mhc.kernels import (
+    common,
+    mhc_coeffs,
+    mhc_coeffs_pre,
+    mhc_head,
+    mhc_post_res,
+    mhc_pre,
+    resolve_backend,
+    sinkhorn,
+)
+from hf_mhc.kernels.common import map_token_chunks
 from hf_mhc.kernels.profiling import saved_bytes_for_backward
 
 BACKENDS = ["torch", "triton"]
@@ -176,6 +186,42 @@ def test_mhc_coeffs_pre_grad_through_the_collapse_alone(backend):
     x64, fn64, base64, scale64 = as64(x, fn, base, scale)
     ref = ref_pre(x64, ref_coeffs(x64, fn64, base64, scale64)[0])
     check_grads([x, fn, base, scale], y, [x64, fn64, base64, scale64], ref, dict(atol=1e-4, rtol=1e-4))
+
+
+def test_map_token_chunks_writes_every_chunk_like_one_call(monkeypatch):
+    """The torch kernels' chunking of 16-bit streams: results equal one call on all tokens, in the requested dtypes,
+    in the inputs' leading shape, and not as views (autograd accumulates into them in place)."""
+    monkeypatch.setattr(common, "CPU_CHUNK_BYTES", 2 * 4 * 3 * 5)  # 2 tokens per chunk, 14 tokens: 7 chunks
+    x, w = torch.randn(2, 7, 3, 5).to(torch.bfloat16), torch.rand(2, 7, 3)
+
+    def collapse_and_norms(x, w):
+        return torch.matmul(w.unsqueeze(-2), x.float()).squeeze(-2), x.float().square().sum(-1) * w
+
+    expected = collapse_and_norms(x, w)
+    got = map_token_chunks(collapse_and_norms, (x, w), (torch.bfloat16, torch.float32), 4 * 3 * 5)
+    assert [t.shape for t in got] == [(2, 7, 5), (2, 7, 3)]
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
+    assert all(t._base is None for t in got)
+    torch.testing.assert_close(got[0], expected[0].to(torch.bfloat16), atol=0, rtol=0)
+    torch.testing.assert_close(got[1], expected[1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_site_on_token_chunks_matches_float64(monkeypatch, dtype):
+    """A whole site (``mhc_coeffs_pre``, ``mhc_post_res``) with 16-bit streams on the torch kernels, forced down to a
+    few tokens per chunk, against float64 autograd of the formula."""
+    monkeypatch.setattr(common, "CPU_CHUNK_BYTES", 3 * 4 * 3 * 4 * 12)
+    n, c = 4, 12
+    x = leaf(torch.randn(2, 7, n, c).to(dtype))
+    fn, base, scale = (leaf(p) for p in random_hc_params(n, c))
+    y, post, comb = mhc_coeffs_pre(x, fn, base, scale, sinkhorn_iters=ITERS, eps=HC_EPS, norm_eps=NORM_EPS,
+                                   backend="torch")
+    out = mhc_post_res(x, y, post, comb, backend="torch")
+    x64, fn64, base64, scale64 = as64(x, fn, base, scale)
+    pre64, post64, comb64 = ref_coeffs(x64, fn64, base64, scale64)
+    ref = ref_post_res(x64, ref_pre(x64, pre64), post64, comb64)
+    torch.testing.assert_close(out.double(), ref, **TOLERANCES[dtype])
+    check_grads([x, fn, base, scale], out, [x64, fn64, base64, scale64], ref, dict(atol=0.05, rtol=0.05))
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
