@@ -291,7 +291,7 @@ def _streams_and_fn_grad_triton(streams, fn, grad_raw, correction, collapse):
     n, hidden = streams.shape[-2:]
     x = streams.reshape(-1, n * hidden).contiguous()
     tokens, n_mix = x.shape[0], grad_raw.shape[-1]
-    grad_x = torch.empty_like(x)
+    grad_x = torch.empty(streams.shape, device=x.device, dtype=x.dtype)  # not a view: see map_token_chunks
     if collapse is None:
         pre, grad_y = x.new_empty(0, dtype=torch.float32), x.new_empty(0)
     else:
@@ -305,7 +305,7 @@ def _streams_and_fn_grad_triton(streams, fn, grad_raw, correction, collapse):
         COLLAPSE=collapse is not None,
     )
     grad_fn = (x.float().T @ grad_raw.reshape(tokens, n_mix)).T
-    return grad_x.view(streams.shape), grad_fn
+    return grad_x, grad_fn
 
 
 @without_autocast

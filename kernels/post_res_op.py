@@ -98,14 +98,14 @@ def post_res_forward(streams, y, post, comb, backend):
     if backend != "triton":
         return map_token_chunks(_merge_torch, (streams, y, post, comb), (streams.dtype,), 4 * (2 * n + 1) * hidden)[0]
     x = streams.reshape(-1, n, hidden).contiguous()
-    out = torch.empty_like(x)
+    out = torch.empty(streams.shape, device=x.device, dtype=x.dtype)  # not a view: see map_token_chunks
     grid, block = launch_grid(x.shape[0], POST_RES_BLOCK_T)
     _mhc_post_res_fwd_kernel[grid](
         x, y.reshape(-1, hidden).contiguous(), post.reshape(-1, n).float().contiguous(),
         comb.reshape(-1, n, n).float().contiguous(), out, x.shape[0], hidden, N=n, NP=triton.next_power_of_2(n),
         BLOCK_T=block, BLOCK_C=POST_RES_BLOCK_C,
     )
-    return out.view(streams.shape)
+    return out
 
 
 @without_autocast
@@ -116,17 +116,17 @@ def post_res_backward(streams, y, post, comb, grad_out, backend):
                                       (streams.dtype, y.dtype, torch.float32, torch.float32), 4 * (3 * n + 1) * hidden))
     x = streams.reshape(-1, n, hidden).contiguous()
     tokens = x.shape[0]
-    grad_x = torch.empty_like(x)
-    grad_y = torch.empty(tokens, hidden, device=x.device, dtype=y.dtype)
-    grad_post = torch.empty(tokens, n, device=x.device, dtype=torch.float32)
-    grad_comb = torch.empty(tokens, n, n, device=x.device, dtype=torch.float32)
+    grad_x = torch.empty(streams.shape, device=x.device, dtype=x.dtype)
+    grad_y = torch.empty(y.shape, device=x.device, dtype=y.dtype)
+    grad_post = torch.empty(post.shape, device=x.device, dtype=torch.float32)
+    grad_comb = torch.empty(comb.shape, device=x.device, dtype=torch.float32)
     grid, block = launch_grid(tokens, POST_RES_BLOCK_T)
     _mhc_post_res_bwd_kernel[grid](
         x, y.reshape(-1, hidden).contiguous(), post.reshape(-1, n).float().contiguous(),
         comb.reshape(-1, n, n).float().contiguous(), grad_out.reshape(-1, n, hidden).contiguous(), grad_x, grad_y,
         grad_post, grad_comb, tokens, hidden, N=n, NP=triton.next_power_of_2(n), BLOCK_T=block, BLOCK_C=_block_c(n),
     )
-    return grad_x.view(streams.shape), grad_y.view(y.shape), grad_post.view(post.shape), grad_comb.view(comb.shape)
+    return grad_x, grad_y, grad_post, grad_comb
 
 
 @torch.library.custom_op("hf_mhc::mhc_post_res_fwd", mutates_args=())

@@ -68,23 +68,23 @@ def pre_forward(streams: torch.Tensor, pre: torch.Tensor, backend: str) -> torch
     if backend != "triton":
         return map_token_chunks(_collapse_torch, (streams, pre), (streams.dtype,), 4 * (n + 1) * hidden)[0]
     x = streams.reshape(-1, n, hidden).contiguous()
-    out = torch.empty(x.shape[0], hidden, device=x.device, dtype=x.dtype)
+    out = torch.empty(*streams.shape[:-2], hidden, device=x.device, dtype=x.dtype)  # not a view: see map_token_chunks
     grid, block = launch_grid(x.shape[0], PRE_BLOCK_T)
     _mhc_pre_fwd_kernel[grid](x, pre.reshape(-1, n).float().contiguous(), out, x.shape[0], hidden, N=n,
                               NP=triton.next_power_of_2(n), BLOCK_T=block, BLOCK_C=PRE_BLOCK_C)
-    return out.view(*streams.shape[:-2], hidden)
+    return out
 
 
 def _pre_backward_triton(streams, pre, grad_out, write_grad_x):
     n, hidden = streams.shape[-2:]
     x = streams.reshape(-1, n, hidden).contiguous()
-    grad_x = torch.empty_like(x) if write_grad_x else x.new_empty(0)
-    grad_pre = torch.empty(x.shape[0], n, device=x.device, dtype=torch.float32)
+    grad_x = torch.empty(streams.shape, device=x.device, dtype=x.dtype) if write_grad_x else x.new_empty(0)
+    grad_pre = torch.empty(pre.shape, device=x.device, dtype=torch.float32)
     grid, block = launch_grid(x.shape[0], PRE_BLOCK_T)
     _mhc_pre_bwd_kernel[grid](x, pre.reshape(-1, n).float().contiguous(), grad_out.reshape(-1, hidden).contiguous(),
                               grad_x, grad_pre, x.shape[0], hidden, N=n, NP=triton.next_power_of_2(n), BLOCK_T=block,
                               BLOCK_C=PRE_BLOCK_C, WRITE_GRAD_X=write_grad_x)
-    return grad_x.view(streams.shape) if write_grad_x else None, grad_pre.view(pre.shape)
+    return grad_x if write_grad_x else None, grad_pre
 
 
 def _collapse_torch(x, pre):
