@@ -1,7 +1,7 @@
 """Fused mHC coefficients: ``streams -> pre, post, comb`` for a sublayer, ``streams -> pre_h`` for the head.
 
 Forward, one pass over the streams per token block: ``flat @ fn.T`` and the sum of squares together (the reordered
-RMSNorm of DESIGN §3: ``RMSNorm(flat) @ fn.T == (flat @ fn.T) * rstd``), then sigmoid / 2·sigmoid / softmax +
+RMSNorm: ``RMSNorm(flat) @ fn.T == (flat @ fn.T) * rstd``), then sigmoid / 2·sigmoid / softmax +
 Sinkhorn per token in registers, in float32. Saved for backward: the streams (shared with the other ops of the site),
 ``mix = RMSNorm(flat) @ fn.T`` (``(n+2)·n`` floats per token) and ``rstd`` (one float per token).
 

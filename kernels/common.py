@@ -43,17 +43,17 @@ def map_token_chunks(
     """``compute(*inputs)`` with its results cast to ``out_dtypes``. The inputs share their leading (token) dims with
     the streams ``inputs[0] [*lead, n, C]``, and so do the results; ``compute`` must work for any leading dims.
 
-    float32 streams run in one call. 16-bit streams run on token chunks of about 4 MiB of float32 working set
-    (``token_slices``), each chunk's results written into preallocated outputs. The float32 copies ``compute`` makes
-    of its inputs then stay in cache and come from reused memory, instead of stream-sized fresh allocations that
-    page-fault: one such copy of 4096 x 4 x 1024 bf16 streams costs about 30 ms here. For float32 streams there are
-    no copies to save, and chunking was measured to be slower. Either way the results are not views, so autograd can
-    accumulate a stream gradient into them in place.
+    float32 streams, and streams with no tokens, run in one call. Other streams (16-bit, float64) run on token chunks
+    of about 4 MiB of float32 working set (``token_slices``), each chunk's results written into preallocated outputs.
+    The float32 copies ``compute`` makes of its inputs then stay in cache and come from reused memory, instead of
+    stream-sized fresh allocations that page-fault: one such copy of 4096 x 4 x 1024 bf16 streams costs about 30 ms
+    here. For float32 streams there are no copies to save, and chunking was measured to be slower. Either way the
+    results are not views, so autograd can accumulate a stream gradient into them in place.
     """
-    if inputs[0].dtype == torch.float32:
-        return [result.to(dtype) for result, dtype in zip(compute(*inputs), out_dtypes, strict=True)]
     lead = inputs[0].shape[:-2]
     tokens = math.prod(lead)
+    if inputs[0].dtype == torch.float32 or tokens == 0:  # no tokens: no chunk would learn the results' shapes
+        return [result.to(dtype) for result, dtype in zip(compute(*inputs), out_dtypes, strict=True)]
     flat_inputs = [tensor.reshape(tokens, *tensor.shape[len(lead):]) for tensor in inputs]
     outputs: list[torch.Tensor] = []
     flat_outputs: list[torch.Tensor] = []

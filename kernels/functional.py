@@ -9,11 +9,15 @@ Each op takes ``backend``:
 - ``None``: Triton for CUDA tensors, torch otherwise.
 
 Every op is a ``torch.library`` custom op with its own backward, so ``torch.compile(fullgraph=True)`` traces through
-it. The numbers are those of the plain formula in ``hf_mhc.mhc_reference`` (DESIGN §3) whatever the backend; a
-failing Triton launch raises, it never falls back silently.
+it. The numbers are those of the plain formula in ``hf_mhc.mhc_reference`` whatever the backend; a failing Triton
+launch raises, it never falls back silently. Streams with no tokens give empty results (and empty gradients); invalid
+input (non-float tensors, tensors on two devices, negative or non-finite eps) raises one ``ValueError`` line from
+``check_inputs``, before anything runs.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -25,6 +29,45 @@ from .pre_op import mhc_pre_fwd_op
 from .sinkhorn_op import sinkhorn_fwd_op
 
 BACKENDS: tuple[str, ...] = ("torch", "triton")
+STREAM_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_inputs(
+    op: str,
+    tensors: dict[str, torch.Tensor],
+    *,
+    iters: tuple[str, int] | None = None,
+    eps: float | None = None,
+    norm_eps: float | None = None,
+) -> None:
+    """What every op refuses, with a one-line ``ValueError``: a tensor that is not float32 / bfloat16 / float16 /
+    float64 (integer, bool and complex tensors would otherwise be cast silently), tensors on more than one device,
+    ``iters = (name, value)`` that is not an integer >= 1, and an ``eps`` or ``norm_eps`` that is not a finite number
+    >= 0. ``tensors`` maps argument names to tensors, the streams (or logits) first; streams need ``[..., T, n, C]``
+    with ``n, C >= 1``."""
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{op} needs {name} as a torch.Tensor, got {type(tensor).__name__}.")
+        if tensor.dtype not in STREAM_DTYPES:
+            raise ValueError(f"{op} needs floating-point {name} (float32, bfloat16, float16 or float64), "
+                             f"got {tensor.dtype}.")
+    first_name, first = next(iter(tensors.items()))
+    elsewhere = [(name, tensor.device) for name, tensor in tensors.items() if tensor.device != first.device]
+    if elsewhere:
+        others = ", ".join(f"{name} on {device}" for name, device in elsewhere)
+        raise ValueError(f"{op} needs all its tensors on one device: {first_name} is on {first.device}, {others}.")
+    if first_name == "streams" and (first.dim() < 3 or first.shape[-1] < 1 or first.shape[-2] < 1):
+        raise ValueError(f"{op} needs streams of shape [..., T, n, C] with n >= 1 and C >= 1, "
+                         f"got {tuple(first.shape)}.")
+    if iters is not None:
+        name, value = iters
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{op} needs an integer {name} >= 1, got {value!r}.")
+    for name, value in (("eps", eps), ("norm_eps", norm_eps)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{op} needs {name} as a finite number >= 0, got {value!r}.")
 
 
 def resolve_backend(backend: str | None, *tensors: torch.Tensor) -> str:
@@ -44,22 +87,21 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor) -> str:
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float, *, backend: str | None = None) -> torch.Tensor:
     """Sinkhorn-Knopp projection of ``logits [..., n, n]``; returns float32 ``[..., n, n]``."""
-    if iters < 1:
-        raise ValueError(f"sinkhorn needs iters >= 1, got {iters}.")
-    if logits.shape[-1] != logits.shape[-2]:
+    check_inputs("sinkhorn", {"logits": logits}, iters=("iters", iters), eps=eps)
+    if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
         raise ValueError(f"sinkhorn needs square [..., n, n] logits, got shape {tuple(logits.shape)}.")
     return sinkhorn_fwd_op(logits, iters, eps, resolve_backend(backend, logits))
 
 
-def _check_coeffs_args(op: str, streams, fn, base, scale, sinkhorn_iters: int) -> None:
+def _check_coeffs_args(op: str, streams, fn, base, scale, sinkhorn_iters: int, eps: float, norm_eps: float) -> None:
+    check_inputs(op, {"streams": streams, "fn": fn, "base": base, "scale": scale},
+                 iters=("sinkhorn_iters", sinkhorn_iters), eps=eps, norm_eps=norm_eps)
     n, hidden = streams.shape[-2:]
     if fn.shape != ((n + 2) * n, n * hidden) or base.shape != ((n + 2) * n,) or scale.shape != (3,):
         raise ValueError(
             f"{op} for n={n}, C={hidden} needs fn [{(n + 2) * n}, {n * hidden}], base [{(n + 2) * n}], "
             f"scale [3]; got {tuple(fn.shape)}, {tuple(base.shape)}, {tuple(scale.shape)}."
         )
-    if sinkhorn_iters < 1:
-        raise ValueError(f"{op} needs sinkhorn_iters >= 1, got {sinkhorn_iters}.")
 
 
 def mhc_coeffs(
@@ -74,7 +116,7 @@ def mhc_coeffs(
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``streams [B, T, n, C]`` -> ``pre [B, T, n]``, ``post [B, T, n]``, ``comb [B, T, n, n]`` (float32)."""
-    _check_coeffs_args("mhc_coeffs", streams, fn, base, scale, sinkhorn_iters)
+    _check_coeffs_args("mhc_coeffs", streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
     pre, post, comb, _, _ = mhc_coeffs_fwd_op(
         streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, resolve_backend(backend, streams)
     )
@@ -95,7 +137,7 @@ def mhc_coeffs_pre(
     """A site's entry in one op: ``streams [B, T, n, C]`` -> the sublayer input ``y [B, T, C]`` (streams' dtype),
     ``post [B, T, n]`` and ``comb [B, T, n, n]`` (float32). The same numbers as ``mhc_coeffs`` then ``mhc_pre``, with
     one backward node that writes the stream gradient once."""
-    _check_coeffs_args("mhc_coeffs_pre", streams, fn, base, scale, sinkhorn_iters)
+    _check_coeffs_args("mhc_coeffs_pre", streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
     y, post, comb, _, _, _ = mhc_coeffs_pre_fwd_op(
         streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, resolve_backend(backend, streams)
     )
@@ -104,6 +146,7 @@ def mhc_coeffs_pre(
 
 def mhc_pre(streams: torch.Tensor, pre: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """Collapse ``streams [B, T, n, C]`` with ``pre [B, T, n]`` into ``[B, T, C]`` (streams' dtype)."""
+    check_inputs("mhc_pre", {"streams": streams, "pre": pre})
     if pre.shape != streams.shape[:-1]:
         raise ValueError(f"mhc_pre needs pre of shape {tuple(streams.shape[:-1])}, got {tuple(pre.shape)}.")
     return mhc_pre_fwd_op(streams, pre, resolve_backend(backend, streams))
@@ -118,6 +161,7 @@ def mhc_post_res(
     backend: str | None = None,
 ) -> torch.Tensor:
     """``X'[i] = post[i] * y + sum_j comb[j, i] * X[j]``: ``[B, T, n, C]`` in the streams' dtype."""
+    check_inputs("mhc_post_res", {"streams": streams, "y": y, "post": post, "comb": comb})
     n = streams.shape[-2]
     if y.shape != streams.shape[:-2] + streams.shape[-1:]:
         raise ValueError(f"mhc_post_res needs y of shape {tuple(streams.shape[:-2] + streams.shape[-1:])}, "
@@ -141,6 +185,8 @@ def mhc_head(
     backend: str | None = None,
 ) -> torch.Tensor:
     """Final readout of ``streams [B, T, n, C]`` into ``[B, T, C]`` (streams' dtype)."""
+    check_inputs("mhc_head", {"streams": streams, "hc_fn": hc_fn, "hc_base": hc_base, "hc_scale": hc_scale},
+                 eps=eps, norm_eps=norm_eps)
     n, hidden = streams.shape[-2:]
     if hc_fn.shape != (n, n * hidden) or hc_base.shape != (n,) or hc_scale.shape != (1,):
         raise ValueError(

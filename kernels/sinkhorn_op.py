@@ -1,8 +1,9 @@
 """Sinkhorn-Knopp for ``comb``: memory-light torch forward/backward and the Triton tile functions.
 
-The forward is DESIGN §3 (``hf_mhc.mhc_reference.sinkhorn``). Both backwards return the exact gradient of the finite
-iteration (the numbers autograd gives through the unrolled loop) while saving only the ``[..., n, n]`` logits: the
-iterates are recomputed in backward (torch: replayed once into a transient list; Triton: recomputed in registers).
+The forward is ``hf_mhc.mhc_reference.sinkhorn``: ``M = softmax(logits) + eps`` (softmax over each row), then
+``2·iters - 1`` normalisations (below). Both backwards return the exact gradient of the finite iteration (the numbers
+autograd gives through the unrolled loop) while saving only the ``[..., n, n]`` logits: the iterates are recomputed
+in backward (torch: replayed once into a transient list; Triton: recomputed in registers).
 The torch kernels work on ``[n, n, tokens]`` (``_tokens_last``): every step is then one vectorised pass over the
 tokens, where reductions over a last axis of size n cost four times as much (measured at 4096 tokens, n = 4).
 

@@ -1,4 +1,5 @@
-"""The public ops of hf_mhc.kernels, both backends, against an independent float64 transcription of DESIGN §3.
+"""The public ops of hf_mhc.kernels, both backends, against an independent float64 transcription of the mHC formulas
+(RMSNorm, sigmoid maps, Sinkhorn-Knopp, collapse and merge); their handling of empty and invalid input.
 
 The Triton backend runs on CPU tensors through the interpreter (``TRITON_INTERPRET=1``, set in conftest), so shapes
 stay at tens of tokens; on a GPU machine ``HF_MHC_TEST_DEVICE=cuda`` runs the same tests on CUDA tensors with the
@@ -373,7 +374,7 @@ def test_shape_errors_are_clear():
     x = torch.randn(1, 2, 3, 4)
     with pytest.raises(ValueError, match=r"needs fn \[15, 12\]"):
         mhc_coeffs(x, torch.zeros(15, 11), torch.zeros(15), torch.ones(3), sinkhorn_iters=2, eps=1e-6, norm_eps=1e-6)
-    with pytest.raises(ValueError, match="sinkhorn_iters >= 1"):
+    with pytest.raises(ValueError, match="integer sinkhorn_iters >= 1"):
         mhc_coeffs(x, torch.zeros(15, 12), torch.zeros(15), torch.ones(3), sinkhorn_iters=0, eps=1e-6, norm_eps=1e-6)
     with pytest.raises(ValueError, match="needs pre of shape"):
         mhc_pre(x, torch.rand(1, 2, 4))
@@ -381,6 +382,129 @@ def test_shape_errors_are_clear():
         mhc_post_res(x, torch.randn(1, 2, 5), torch.rand(1, 2, 3), torch.rand(1, 2, 3, 3))
     with pytest.raises(ValueError, match="square"):
         sinkhorn(torch.randn(2, 3), 5, 1e-6)
+
+
+OPS = ["sinkhorn", "mhc_coeffs", "mhc_coeffs_pre", "mhc_pre", "mhc_post_res", "mhc_head"]
+
+
+def op_call(op, streams, backend=None, *, eps=HC_EPS, norm_eps=NORM_EPS, iters=3, param_device=None, **tensors):
+    """``(run, inputs)`` for ``op`` on ``streams [B, T, n, C]`` (``sinkhorn``: on logits ``[B, T, n, n]`` of the
+    streams' dtype). The other tensors are float32 leaves, on ``param_device`` if given; ``tensors`` replaces any."""
+    b, t, n, c = streams.shape
+    where = dict(device=param_device) if param_device is not None else {}
+    fn, base, scale = (leaf(p.to(**where)) for p in random_hc_params(n, c))
+    settings = dict(eps=eps, norm_eps=norm_eps, backend=backend)
+    if op == "sinkhorn":
+        logits = tensors["logits"] if "logits" in tensors else leaf(torch.randn(b, t, n, n).to(streams.dtype))
+        return (lambda: sinkhorn(logits, iters, eps, backend=backend)), [logits]
+    if op in ("mhc_coeffs", "mhc_coeffs_pre"):
+        function = mhc_coeffs if op == "mhc_coeffs" else mhc_coeffs_pre
+        return (lambda: function(streams, fn, base, scale, sinkhorn_iters=iters, **settings)), [streams, fn, base,
+                                                                                               scale]
+    if op == "mhc_pre":
+        pre = tensors["pre"] if "pre" in tensors else leaf(torch.rand(b, t, n).to(**where))
+        return (lambda: mhc_pre(streams, pre, backend=backend)), [streams, pre]
+    if op == "mhc_post_res":
+        y_dtype = streams.dtype if streams.is_floating_point() else torch.float32
+        y = tensors["y"] if "y" in tensors else leaf(torch.randn(b, t, c).to(y_dtype))
+        post, comb = leaf(torch.rand(b, t, n).to(**where)), leaf(torch.rand(b, t, n, n))
+        return (lambda: mhc_post_res(streams, y, post, comb, backend=backend)), [streams, y, post, comb]
+    hc_fn, hc_base, hc_scale = leaf(fn[:n].to(**where)), leaf(base[:n]), leaf(scale[:1])
+    return (lambda: mhc_head(streams, hc_fn, hc_base, hc_scale, **settings)), [streams, hc_fn, hc_base, hc_scale]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_tokens_give_empty_outputs_and_gradients(backend, op, dtype):
+    """Zero tokens (an empty batch, or a sequence of length 0) run through every op and its backward: the outputs and
+    token-shaped gradients are empty, of the right shapes and dtypes, and the parameters' gradients are zeros."""
+    n, c = 3, 8
+    streams = leaf(torch.randn(2, 0, n, c).to(dtype))
+    run, inputs = op_call(op, streams, backend)
+    outs = run()
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    expected = {
+        "sinkhorn": [((2, 0, n, n), torch.float32)],
+        "mhc_coeffs": [((2, 0, n), torch.float32), ((2, 0, n), torch.float32), ((2, 0, n, n), torch.float32)],
+        "mhc_coeffs_pre": [((2, 0, c), dtype), ((2, 0, n), torch.float32), ((2, 0, n, n), torch.float32)],
+        "mhc_pre": [((2, 0, c), dtype)],
+        "mhc_post_res": [((2, 0, n, c), dtype)],
+        "mhc_head": [((2, 0, c), dtype)],
+    }[op]
+    assert [(tuple(o.shape), o.dtype) for o in outs] == expected
+    torch.autograd.backward(list(outs), [torch.ones_like(o) for o in outs])
+    for tensor in inputs:
+        assert tensor.grad is not None and tensor.grad.shape == tensor.shape and tensor.grad.dtype == tensor.dtype
+        if tensor.numel():  # a parameter: no token contributes to its gradient
+            assert torch.equal(tensor.grad, torch.zeros_like(tensor))
+
+
+def raises_one_line(run, match):
+    with pytest.raises(ValueError, match=match) as error:
+        run()
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64], ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_non_float_streams_are_refused(op, dtype):
+    """Integer, bool and complex streams were cast silently (complex ones losing their imaginary part)."""
+    streams = torch.ones(1, 2, 3, 8, dtype=dtype)
+    tensors = {"logits": torch.ones(1, 2, 3, 3, dtype=dtype)} if op == "sinkhorn" else {}
+    run, _ = op_call(op, streams, **tensors)
+    name = "logits" if op == "sinkhorn" else "streams"
+    raises_one_line(run, rf"{op} needs floating-point {name} \(float32, bfloat16, float16 or float64\), got {dtype}")
+
+
+@pytest.mark.parametrize("op", ["mhc_pre", "mhc_post_res"])
+def test_non_float_weights_are_refused(op):
+    streams = torch.randn(1, 2, 3, 8)
+    tensors = {"pre": torch.ones(1, 2, 3, dtype=torch.int64)} if op == "mhc_pre" else {
+        "y": torch.ones(1, 2, 8, dtype=torch.int64)}
+    raises_one_line(op_call(op, streams, **tensors)[0], "needs floating-point (pre|y) .*, got torch.int64")
+
+
+BAD_SETTINGS = [
+    (dict(eps=-1e-6), "needs eps as a finite number >= 0, got -1e-06"),
+    (dict(eps=math.nan), "needs eps as a finite number >= 0, got nan"),
+    (dict(eps=math.inf), "needs eps as a finite number >= 0, got inf"),
+    (dict(norm_eps=-1.0), "needs norm_eps as a finite number >= 0, got -1.0"),
+    (dict(norm_eps=math.nan), "needs norm_eps as a finite number >= 0, got nan"),
+    (dict(iters=0), "needs an integer (sinkhorn_)?iters >= 1, got 0"),
+    (dict(iters=-3), "needs an integer (sinkhorn_)?iters >= 1, got -3"),
+    (dict(iters=2.5), "needs an integer (sinkhorn_)?iters >= 1, got 2.5"),
+    (dict(iters=True), "needs an integer (sinkhorn_)?iters >= 1, got True"),
+]
+OP_SETTINGS = {"sinkhorn": {"eps", "iters"}, "mhc_coeffs": {"eps", "norm_eps", "iters"},
+               "mhc_coeffs_pre": {"eps", "norm_eps", "iters"}, "mhc_head": {"eps", "norm_eps"}}
+
+
+@pytest.mark.parametrize(
+    ("op", "settings", "message"),
+    [pytest.param(op, settings, message, id=f"{op}-{'-'.join(f'{k}={v}' for k, v in settings.items())}")
+     for op, names in OP_SETTINGS.items() for settings, message in BAD_SETTINGS if set(settings) <= names],
+)
+def test_invalid_eps_and_iterations_are_refused(op, settings, message):
+    raises_one_line(op_call(op, torch.randn(1, 2, 3, 8), **settings)[0], message)
+
+
+@pytest.mark.parametrize("op", OPS[1:])
+def test_tensors_on_two_devices_are_refused_and_all_on_meta_run(op):
+    """A parameter left on ``meta`` (or another device) is refused with where each tensor is; tensors all on
+    ``meta`` (shape inference, deferred initialisation) still run and give meta outputs."""
+    streams = torch.randn(1, 2, 3, 8)
+    raises_one_line(op_call(op, streams, param_device="meta")[0],
+                    rf"{op} needs all its tensors on one device: streams is on {streams.device}, \w+ on meta")
+    with torch.device("meta"):
+        outs = op_call(op, torch.randn(1, 2, 3, 8))[0]()
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    assert all(o.is_meta for o in outs) and outs[0].shape[:2] == (1, 2)
+
+
+def test_streams_without_a_token_axis_or_with_no_streams_are_refused():
+    raises_one_line(lambda: mhc_pre(torch.randn(8, 3), torch.rand(8)), r"needs streams of shape \[\.\.\., T, n, C\]")
+    raises_one_line(lambda: mhc_pre(torch.randn(2, 0, 8), torch.rand(2, 0)), r"n >= 1 and C >= 1, got \(2, 0, 8\)")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
