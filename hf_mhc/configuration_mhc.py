@@ -91,9 +91,37 @@ class MHCConfig(PreTrainedConfig):
         # One source of truth for tying: the backbone's own flag, mirrored where transformers looks for it.
         self.tie_word_embeddings = bool(getattr(self.backbone_config, "tie_word_embeddings", False))
 
-    def get_text_config(self, decoder=None, encoder=None) -> PreTrainedConfig:
-        """The backbone config: vocabulary, layers, cache layout and special tokens all live there."""
+    # The backbone's own settings (vocab_size, hidden_size, num_attention_heads, use_cache, ...) read and write through
+    # the mHC config too, as on any transformers config: `config.vocab_size` is `config.backbone_config.vocab_size`.
+    def __getattr__(self, name: str):
+        backbone = self.__dict__.get("backbone_config")
+        if not name.startswith("_") and isinstance(backbone, PreTrainedConfig) and hasattr(backbone, name):
+            return getattr(backbone, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        backbone = self.__dict__.get("backbone_config")
+        if (
+            isinstance(backbone, PreTrainedConfig)
+            and name not in type(self).__dataclass_fields__
+            and name not in self.__dict__
+            and name in type(backbone).__dataclass_fields__
+        ):
+            setattr(backbone, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    @property
+    def text_config(self) -> PreTrainedConfig:
+        """The backbone config, under the name transformers looks for a text sub-config by: ``get_text_config()``
+        returns it, and with it the vocabulary, layers, cache layout and special tokens."""
         return self.backbone_config
+
+    @property
+    def base_model_tp_plan(self) -> dict[str, str] | None:
+        """The backbone's tensor-parallel plan. mHC keeps every backbone module name, and its float32 HC modules,
+        which the plan does not name, stay replicated: each rank computes the maps on the full streams."""
+        return getattr(self.backbone_config, "base_model_tp_plan", None)
 
 
 def _check_backbone_type(model_type: str | None) -> None:

@@ -26,6 +26,7 @@ from transformers.modeling_layers import GenericForSequenceClassification, Gradi
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.utils import can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_mhc import MHCConfig
 
@@ -286,7 +287,7 @@ class MHCPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _can_compile_fullgraph = False
+    _can_compile_fullgraph = True  # forward and backward trace with fullgraph=True, also with a static cache
     _keep_in_fp32_modules_strict = list(HC_MODULE_NAMES)
 
     def __init__(self, config: MHCConfig, *inputs, **kwargs):
@@ -354,6 +355,8 @@ class MHCModel(MHCPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -423,6 +426,7 @@ class MHCForCausalLM(MHCPreTrainedModel, GenerationMixin):
     """mHC causal language model: :class:`MHCModel` plus the backbone's ``lm_head`` (tied when the backbone ties)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
 
     def __init__(self, config: MHCConfig):
         super().__init__(config)
@@ -444,6 +448,7 @@ class MHCForCausalLM(MHCPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
         self,
