@@ -8,7 +8,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hf_mhc.configuration_mhc import SUPPORTED_BACKBONES, MHCConfig
+from hf_mhc.configuration_mhc import SUPPORTED_BACKBONES, MHCConfig, check_hc_options
 from hf_mhc.modeling_mhc import HC_MODULE_NAMES, MHCForCausalLM, function_preserving_hc_tensors
 
 
@@ -18,7 +18,9 @@ def is_hc_parameter(name: str) -> bool:
 
 
 def mhc_config_for(backbone_config, hc_mult: int = 4, **hc_options) -> MHCConfig:
-    """An :class:`MHCConfig` wrapping a copy of ``backbone_config`` (function-preserving initialisation)."""
+    """An :class:`MHCConfig` wrapping a copy of ``backbone_config`` (function-preserving initialisation).
+    ``hc_options`` must be mHC fields (``ValueError`` naming the closest one otherwise)."""
+    check_hc_options(hc_options, "mhc_config_for")
     model_type = getattr(backbone_config, "model_type", None)
     if model_type not in SUPPORTED_BACKBONES:
         raise ValueError(
@@ -36,12 +38,15 @@ def upcycle(model: PreTrainedModel | str | os.PathLike, hc_mult: int = 4, **hc_o
     Args:
         model: a loaded ``*ForCausalLM`` or a path / Hub id that ``AutoModelForCausalLM`` loads.
         hc_mult: number of residual streams.
-        **hc_options: other :class:`MHCConfig` fields (``hc_sinkhorn_iters``, ``hc_eps``, ``hc_init_*``).
+        **hc_options: other :class:`MHCConfig` fields (``hc_sinkhorn_iters``, ``hc_eps``, ``hc_init_*``,
+            ``hc_recompute``). Any other name raises ``ValueError`` with the closest field, before ``model`` is
+            loaded.
 
     Returns:
         An :class:`MHCForCausalLM` on the source's device, backbone weights in the source's dtype, HC weights in
         float32, whose logits equal the source's up to ``hc_eps``.
     """
+    check_hc_options(hc_options, "upcycle")
     if isinstance(model, (str, os.PathLike)):
         model = AutoModelForCausalLM.from_pretrained(model)
     if not isinstance(model, PreTrainedModel):

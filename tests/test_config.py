@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
+import torch
 from conftest import tiny_backbone_config
 from transformers import AutoConfig, GPT2Config, LlamaConfig, Qwen2Config
 
 from hf_mhc import MHCConfig
+from hf_mhc.configuration_mhc import MAX_SINKHORN_ITERS, hc_options
 
 
 def test_nested_backbone_from_config_or_dict():
@@ -35,16 +40,86 @@ def test_round_trip_through_json(tmp_path):
     [
         (dict(hc_mult=0), "hc_mult must be an integer from 1 to 8"),
         (dict(hc_mult=9), "hc_mult must be an integer from 1 to 8"),
-        (dict(hc_sinkhorn_iters=0), "hc_sinkhorn_iters must be an integer >= 1"),
+        (dict(hc_mult="4"), "hc_mult must be an integer from 1 to 8, got '4'"),
+        (dict(hc_mult=4.0), "hc_mult must be an integer from 1 to 8, got 4.0"),
+        (dict(hc_sinkhorn_iters=0), "hc_sinkhorn_iters must be an integer from 1 to 100"),
+        (dict(hc_sinkhorn_iters=101), r"hc_sinkhorn_iters must be an integer from 1 to 100 \(each iteration"),
+        (dict(hc_sinkhorn_iters="20"), "hc_sinkhorn_iters must be an integer from 1 to 100.*, got '20'"),
         (dict(hc_eps=0.0), "hc_eps must be > 0"),
         (dict(hc_eps=-1e-6), "hc_eps must be > 0"),
+        (dict(hc_eps="1e-6"), "hc_eps must be a finite number, got '1e-6'"),
+        (dict(hc_eps=math.nan), "hc_eps must be a finite number, got nan"),
+        (dict(hc_eps=math.inf), "hc_eps must be a finite number, got inf"),
         (dict(hc_mult=4, hc_eps=0.3), "hc_eps must be smaller than 1/hc_mult"),
+        (dict(hc_init=3), "hc_init must be one of function_preserving, deepseek_v4; got 3"),
+        (dict(hc_init_post_delta=math.nan), "hc_init_post_delta must be a finite number, got nan"),
+        (dict(hc_init_post_delta="0.1"), "hc_init_post_delta must be a finite number, got '0.1'"),
+        (dict(hc_init_comb_diag=math.inf), "hc_init_comb_diag must be a finite number, got inf"),
+        (dict(hc_init_comb_diag=-math.inf), "hc_init_comb_diag must be a finite number, got -inf"),
+        (dict(hc_init_dynamic_scale=math.nan), "hc_init_dynamic_scale must be a finite number, got nan"),
+        (dict(hc_init_dynamic_scale=True), "hc_init_dynamic_scale must be a finite number, got True"),
         (dict(hc_init_dynamic_scale=0.0), "hc_init_dynamic_scale must be non-zero"),
+        (dict(hc_recompute="yes"), "hc_recompute must be True or False, got 'yes'"),
+        (dict(hc_recompute=1), "hc_recompute must be True or False, got 1"),
     ],
+    ids=lambda value: "-".join(f"{k}={v!r}" for k, v in value.items()) if isinstance(value, dict) else None,
 )
 def test_invalid_values_raise_value_error(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    """Wrong values and wrong types alike: one ``ValueError`` line (``@strict`` checks no types here: the field
+    annotations are strings under ``from __future__ import annotations``, which huggingface_hub skips)."""
+    with pytest.raises(ValueError, match=message) as error:
         MHCConfig(backbone_config=tiny_backbone_config("llama"), **kwargs)
+    assert "\n" not in str(error.value)
+
+
+def test_sinkhorn_iterations_up_to_the_cap_are_accepted():
+    config = MHCConfig(backbone_config=tiny_backbone_config("llama"), hc_sinkhorn_iters=MAX_SINKHORN_ITERS)
+    assert config.hc_sinkhorn_iters == MAX_SINKHORN_ITERS == 100
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(hc_multt=4), r"MHCConfig got an unknown mHC option 'hc_multt' \(did you mean 'hc_mult'\?\)"),
+        (dict(hc_sinkhorn_iter=5), r"unknown mHC option 'hc_sinkhorn_iter' \(did you mean 'hc_sinkhorn_iters'\?\)"),
+        (dict(hc_recomput=True), r"'hc_recomput' \(did you mean 'hc_recompute'\?\)"),
+        (dict(hc_zzz=1), r"unknown mHC option 'hc_zzz'; valid options: hc_mult, hc_sinkhorn_iters, hc_eps, hc_init,"),
+    ],
+)
+def test_misspelt_hc_keywords_are_refused(kwargs, message):
+    """A misspelt mHC field used to be stored as an extra attribute and ignored (the model ran with the default)."""
+    with pytest.raises(ValueError, match=message) as error:
+        MHCConfig(backbone_config=tiny_backbone_config("llama"), **kwargs)
+    assert "\n" not in str(error.value)
+
+
+def test_every_value_survives_save_and_reload_and_a_misspelt_saved_key_is_refused(tmp_path):
+    """Every mHC field set away from its default, and the backbone's settings, come back from ``config.json``
+    through ``AutoConfig``, ``MHCConfig.from_pretrained`` and ``from_dict``; transformers' own bookkeeping keys
+    (``transformers_version``, ``architectures``, ``auto_map``, ``dtype``) are accepted, an unknown ``hc_*`` key in a
+    saved file is refused by name."""
+    values = dict(hc_mult=3, hc_sinkhorn_iters=7, hc_eps=2e-5, hc_init="deepseek_v4", hc_init_post_delta=0.25,
+                  hc_init_comb_diag=3, hc_init_dynamic_scale=-0.02, hc_recompute=True)
+    assert set(values) == set(hc_options())  # a new field must be added here
+    backbone = tiny_backbone_config("qwen3", tie_word_embeddings=True, rms_norm_eps=1e-5)
+    config = MHCConfig(backbone_config=backbone, architectures=["MHCForCausalLM"], dtype="bfloat16", **values)
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    for loaded in (AutoConfig.from_pretrained(tmp_path), MHCConfig.from_pretrained(tmp_path),
+                   MHCConfig.from_dict(saved)):
+        assert isinstance(loaded, MHCConfig)
+        assert {name: getattr(loaded, name) for name in values} == values
+        assert type(loaded.hc_init_comb_diag) is int and type(loaded.hc_recompute) is bool
+        assert loaded.backbone_config.to_dict() == config.backbone_config.to_dict()
+        assert loaded.tie_word_embeddings is True and loaded.architectures == ["MHCForCausalLM"]
+        assert loaded.dtype == torch.bfloat16
+        assert {k: v for k, v in loaded.to_dict().items() if k != "_name_or_path"} == {
+            k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
+    assert {"transformers_version", "auto_map", "architectures", "dtype"} <= set(saved)
+    saved["hc_sinkhorn_iter"] = saved.pop("hc_sinkhorn_iters")
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"'hc_sinkhorn_iter' \(did you mean 'hc_sinkhorn_iters'\?\)"):
+        AutoConfig.from_pretrained(tmp_path)
 
 
 @pytest.mark.parametrize("backbone", [GPT2Config(), GPT2Config().to_dict(), {"model_type": "no-such-model"}, {}])

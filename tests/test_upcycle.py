@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import hf_mhc
 from hf_mhc import MHCForCausalLM
+from hf_mhc.conversion.upcycle import mhc_config_for
 
 
 def source_model(family, tied):
@@ -70,6 +71,28 @@ def test_upcycle_rejects_unsupported_families():
         hf_mhc.upcycle(gpt2)
     with pytest.raises(ValueError, match="function_preserving"):
         hf_mhc.upcycle(source_model("llama", tied=False), hc_init="deepseek_v4")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(hc_sinkhron_iters=3), r"upcycle got an unknown mHC option 'hc_sinkhron_iters' \(did you mean "
+                                    r"'hc_sinkhorn_iters'\?\); valid options: hc_mult, "),
+        (dict(sinkhorn_iters=3), r"'sinkhorn_iters' \(did you mean 'hc_sinkhorn_iters'\?\)"),
+        (dict(hc_eps=1e-5, hc_init_comb_diagonal=2.0), r"'hc_init_comb_diagonal' \(did you mean 'hc_init_comb_diag'"),
+        (dict(vocab_size=7), r"unknown mHC option 'vocab_size'; valid options"),
+    ],
+)
+def test_upcycle_refuses_unknown_options_before_loading(tmp_path, options, message):
+    """A misspelt option used to be ignored silently (the model got the default). It is refused by name before a
+    path is loaded (this one does not exist), and by ``mhc_config_for``, which ``hf-mhc convert`` uses."""
+    with pytest.raises(ValueError, match=message) as error:
+        hf_mhc.upcycle(tmp_path / "not-loaded", hc_mult=4, **options)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=message.replace("upcycle", "mhc_config_for")):
+        mhc_config_for(tiny_backbone_config("llama"), hc_mult=4, **options)
+    upcycled = hf_mhc.upcycle(source_model("llama", tied=False), hc_mult=2, hc_sinkhorn_iters=3, hc_recompute=True)
+    assert (upcycled.config.hc_sinkhorn_iters, upcycled.config.hc_recompute) == (3, True)
 
 
 def test_upcycle_from_a_saved_folder(tmp_path):
