@@ -4,6 +4,21 @@ The backbone tensors are copied under their unchanged names, chunk by chunk (at 
 in memory), and the function-preserving HC tensors are added in float32. Everything is written to a hidden staging
 folder beside ``out`` that is renamed into place only once the checkpoint is complete and verified; on any error or
 interruption the staging folder is removed and ``out`` is left as it was.
+
+Nothing a user has is lost:
+
+- One conversion per OUT at a time: ``.OUT.hf-mhc-lock`` beside OUT is created exclusively and holds ``pid@host``;
+  a second conversion to the same OUT fails at once. A lock left by a killed process on this host is taken over.
+- The final move replaces only what was checked at the start, under the lock: nothing (OUT missing, or an empty
+  folder), or, with ``overwrite``, the same folder (same device and inode) that then looked like a checkpoint. An OUT
+  that appears or changes meanwhile is left as it is and the conversion fails.
+- ``overwrite`` replaces only a folder holding ``config.json`` and weight files, and OUT may never be, contain or lie
+  inside SRC, nor be or contain the working directory or the home folder (symbolic links resolved).
+- With ``overwrite`` the old OUT is renamed to ``.OUT.hf-mhc-replaced.*``, the new one renamed to OUT, and only then
+  the old one deleted. If the process is killed between the two renames, the next conversion to OUT renames the old
+  checkpoint back (when OUT is missing) or says where it is; it never deletes it.
+- Files are read only from inside SRC: a symbolic link in SRC (weights, config, tokenizer, license, chat templates)
+  that leads outside it is refused, except links of a Hugging Face cache snapshot into that repo's ``blobs/``.
 """
 
 from __future__ import annotations
@@ -11,6 +26,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
+import logging
 import math
 import os
 import re
@@ -20,6 +36,7 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -31,7 +48,7 @@ from hf_mhc.modeling_mhc import AUTO_MAP, MHCForCausalLM, function_preserving_hc
 
 from .errors import ConversionError, VerificationError
 from .safetensors_stream import SafetensorsStreamWriter, TensorSpec, aligned_order, parse_size
-from .source import SourceCheckpoint, SourceTensor, TensorReader, resolve_source
+from .source import SourceCheckpoint, SourceTensor, TensorReader, check_inside_source, resolve_source
 from .upcycle import is_hc_parameter, mhc_config_for
 from .verify import VerificationResult, verify_conversion
 
@@ -59,6 +76,12 @@ COPIED_FOLDERS: tuple[str, ...] = ("additional_chat_templates",)
 # Source tensors that transformers itself ignores when loading (old checkpoints saved the rotary buffer).
 IGNORED_SOURCE_TENSOR = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 STAGING_MARKER = ".hf-mhc-partial."
+REPLACED_MARKER = ".hf-mhc-replaced."
+LOCK_SUFFIX = ".hf-mhc-lock"
+# Files in a folder that mark it as a checkpoint --overwrite may replace (besides config.json).
+WEIGHT_FILE_PATTERNS: tuple[str, ...] = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -103,28 +126,66 @@ def convert_checkpoint(
 
     Args:
         src: a checkpoint folder, or a Hub model id (downloaded, or taken from the cache when offline).
-        out: the folder to create. It must not exist or be empty, unless ``overwrite`` (then the old folder is
-            replaced only after the new one is complete and verified).
+        out: the folder to create. It must not exist or be empty, unless ``overwrite``: then a folder that holds a
+            checkpoint (``config.json`` and weight files) is replaced, only after the new one is complete and
+            verified. Never the working directory, the home folder, SRC, a folder containing one of them, or a
+            folder inside SRC.
         hc_mult: number of residual streams.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` to cast the floating backbone tensors; ``None`` keeps
             them as stored. HC tensors are always float32.
         verify: load source and result and compare their logits and greedy decoding (see :mod:`.verify`);
-            raises :class:`VerificationError` and writes nothing when the difference exceeds the dtype's tolerance.
+            raises :class:`VerificationError` and writes nothing when the logits differ by more than the dtype's
+            tolerance or, in float32, greedy decoding differs.
         max_shard_size: largest weight file, e.g. ``"5GB"`` or ``"500MB"``; one ``model.safetensors`` when all fits.
         allow_pickle: read pickled ``pytorch_model*.bin`` weights (with ``torch.load(weights_only=True)``).
         progress: show a progress bar per written shard.
         **hc_options: other :class:`MHCConfig` fields (``hc_sinkhorn_iters``, ``hc_eps``, ``hc_init_*``).
 
     Returns:
-        A :class:`ConversionReport`. Raises :class:`ConversionError` on bad input, before ``out`` is touched.
+        A :class:`ConversionReport`. Raises :class:`ConversionError` on bad input, before ``out`` is touched, and
+        when another conversion to ``out`` runs or ``out`` appeared or changed while converting.
     """
-    out = Path(os.path.abspath(Path(out).expanduser()))  # normalised: "." and "a/.." name real folders
+    out = _output_path(out)
     max_shard_bytes = parse_size(max_shard_size)
     target_dtype = _parse_dtype(dtype)
-    _check_output(out, overwrite)
+    _check_output(out, overwrite)  # fail fast, before a download or a new folder; checked again under the lock
+    if os.fspath(src).strip() and Path(src).expanduser().is_dir():
+        _check_not_protected(out, Path(src).expanduser())
+    created_parents = _missing_ancestors(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with _OutputLock(out):
+            _remove_stale_staging(out)
+            _recover_replaced(out)
+            existing = _check_output(out, overwrite)
+            report = _convert_locked(
+                src, out, existing, hc_mult, target_dtype, verify, max_shard_bytes, allow_pickle, progress, hc_options
+            )
+    except BaseException:
+        for folder in created_parents:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+    return report
+
+
+def _convert_locked(
+    src: str | os.PathLike,
+    out: Path,
+    existing: _Existing | None,
+    hc_mult: int,
+    target_dtype: torch.dtype | None,
+    verify: bool,
+    max_shard_bytes: int,
+    allow_pickle: bool,
+    progress: bool,
+    hc_options: dict,
+) -> ConversionReport:
+    """The conversion proper, with OUT's lock held and ``existing`` the OUT found then (see :func:`_check_output`)."""
     source = resolve_source(src, allow_pickle=allow_pickle)
-    if out.resolve() == source.folder.resolve() or out.resolve() in source.folder.resolve().parents:
-        raise ConversionError(f"OUT {out} is SRC or contains it; write the converted checkpoint to another folder.")
+    _check_not_protected(out, source.folder)
     backbone_config = load_backbone_config(source.folder)
     backbone_config._name_or_path = str(src)
     try:
@@ -136,11 +197,8 @@ def convert_checkpoint(
     model_dtype = next(p.spec.dtype for p in plan if p.spec.name == "model.embed_tokens.weight")
     shards = pack_shards(plan, max_shard_bytes)
 
-    _remove_stale_staging(out)
-    created_parents = _missing_ancestors(out)
     staging = out.parent / f".{out.name}{STAGING_MARKER}{os.getpid()}@{socket.gethostname()}.{secrets.token_hex(6)}"
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()  # beside OUT (same file system, so the final rename is atomic), with the umask's permissions
         with checkpoint.reader() as reader:
             weight_files = write_weights(staging, shards, reader, progress=progress)
@@ -152,13 +210,7 @@ def convert_checkpoint(
                 source.folder, staging, model_dtype, vocab_size=config.backbone_config.vocab_size
             )
             if not verification.passed:
-                hint = ""
-                if math.isinf(verification.max_abs_logit_diff):
-                    hint = " (non-finite logits: float16 overflows for many models; try --dtype bfloat16)"
-                raise VerificationError(
-                    f"the converted model does not reproduce the source: {verification.summary()}{hint}; "
-                    "nothing was written. Please report this with the source checkpoint's config."
-                )
+                raise VerificationError(verification_failure(verification))
         report = ConversionReport(
             source=str(src),
             output=out,
@@ -172,16 +224,28 @@ def convert_checkpoint(
             verification=verification,
         )
         (staging / "README.md").write_text(model_card(report, config, source.hub_id), encoding="utf-8")
-        _move_into_place(staging, out)
+        _move_into_place(staging, out, existing)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        for folder in created_parents:
-            try:
-                folder.rmdir()
-            except OSError:
-                break
         raise
     return report
+
+
+def verification_failure(verification: VerificationResult) -> str:
+    """The error message of a failed verification: what differs, and what to do about it."""
+    if math.isinf(verification.max_abs_logit_diff):
+        hint = "non-finite logits: float16 overflows for many models; try --dtype bfloat16"
+    elif verification.greedy_required:
+        hint = (
+            f"in {verification.dtype} rounding alone stays far below this threshold and keeps greedy decoding "
+            "identical, so this is a conversion bug: please report it with the source checkpoint's config.json"
+        )
+    else:
+        hint = (
+            f"{verification.dtype} rounding alone stays below this threshold for models of ~50 layers; convert with "
+            "--dtype float32 to tell rounding from a real mismatch"
+        )
+    return f"the converted model does not reproduce the source: {verification.summary()}; nothing was written ({hint})."
 
 
 def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -192,14 +256,75 @@ def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     raise ConversionError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)} (or none to keep it).")
 
 
-def _check_output(out: Path, overwrite: bool) -> None:
+def _output_path(out: str | os.PathLike) -> Path:
+    """``out`` as an absolute path ("." and "a/.." name real folders); an empty OUT is refused."""
+    text = os.fspath(out)
+    if not text.strip():
+        raise ConversionError("OUT is empty; name the folder to create, e.g. ./my-model-mhc.")
+    return Path(os.path.abspath(Path(text).expanduser()))
+
+
+class _Existing(NamedTuple):
+    """An OUT folder found at the start: its identity (device, inode), and whether it was empty."""
+
+    identity: tuple[int, int]
+    empty: bool
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    stat = os.lstat(path)
+    return stat.st_dev, stat.st_ino
+
+
+def looks_like_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds a ``config.json`` and weight files (``*.safetensors``, ``*.bin`` or an index)."""
+    names = [entry.name for entry in folder.iterdir() if entry.is_file()]
+    return "config.json" in names and any(
+        fnmatch.fnmatch(name, pattern) for name in names for pattern in WEIGHT_FILE_PATTERNS
+    )
+
+
+def _check_output(out: Path, overwrite: bool) -> _Existing | None:
+    """Check that ``out`` may be written: ``None`` when it does not exist, else the folder the final move replaces."""
+    if out.is_symlink():
+        raise ConversionError(f"OUT {out} is a symbolic link; name the folder itself.")
     if out.exists() and not out.is_dir():
         raise ConversionError(f"OUT {out} exists and is a file; choose a folder path.")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    _check_not_protected(out, None)
+    if not out.exists():
+        return None
+    empty = not any(out.iterdir())
+    if not empty and not overwrite:
         raise ConversionError(
             f"OUT {out} exists and is not empty; choose a new folder or pass --overwrite "
             "(the old folder is then replaced only once the new checkpoint is complete)."
         )
+    if not empty and not looks_like_checkpoint(out):
+        raise ConversionError(
+            f"OUT {out} is not empty and does not look like a checkpoint (a config.json and *.safetensors, *.bin or "
+            "index files); --overwrite replaces only a checkpoint folder: choose a new folder, or empty it yourself."
+        )
+    return _Existing(_identity(out), empty)
+
+
+def _check_not_protected(out: Path, src: Path | None) -> None:
+    """Refuse an OUT that is, or contains, the working directory, the home folder or SRC, or that lies inside SRC."""
+    real_out = Path(os.path.realpath(out))
+    guarded = {"the working directory": Path.cwd()}
+    try:
+        guarded["your home folder"] = Path.home()
+    except (KeyError, RuntimeError):  # no home folder known
+        pass
+    if src is not None:
+        guarded["SRC"] = src
+    for what, folder in guarded.items():
+        real = Path(os.path.realpath(folder))
+        if real_out == real or real_out in real.parents:
+            raise ConversionError(
+                f"OUT {out} is {what} or contains it; write the converted checkpoint to a new folder."
+            )
+    if src is not None and Path(os.path.realpath(src)) in real_out.parents:
+        raise ConversionError(f"OUT {out} is inside SRC {src}; write the converted checkpoint to another folder.")
 
 
 def load_backbone_config(folder: Path) -> PreTrainedConfig:
@@ -210,6 +335,7 @@ def load_backbone_config(folder: Path) -> PreTrainedConfig:
             f"{folder} has no config.json, so it is not a transformers checkpoint; pass the folder that holds "
             "config.json and the weights."
         )
+    check_inside_source(config_path, folder)
     try:
         raw = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -230,7 +356,7 @@ def load_backbone_config(folder: Path) -> PreTrainedConfig:
         )
     try:
         return AutoConfig.from_pretrained(folder)
-    except (OSError, ValueError, TypeError, KeyError) as error:
+    except Exception as error:  # the config's own validation raises anything from KeyError to ZeroDivisionError
         raise ConversionError(f"{config_path} cannot be loaded as a {model_type} config ({error}).") from None
 
 
@@ -241,12 +367,15 @@ def plan_tensors(config: MHCConfig, checkpoint: SourceCheckpoint, dtype: torch.d
     names and shapes must match the source exactly. With tied embeddings there is no ``lm_head.weight`` in the
     output (transformers re-ties it on load), as ``save_pretrained`` writes it.
     """
-    with torch.device("meta"):
-        expected = {
-            name: tuple(tensor.shape)
-            for name, tensor in MHCForCausalLM(copy.deepcopy(config)).state_dict().items()
-            if not is_hc_parameter(name)
-        }
+    try:
+        with torch.device("meta"):
+            model = MHCForCausalLM(copy.deepcopy(config))
+    except Exception as error:  # values the config accepted but the modules cannot be built from
+        raise ConversionError(
+            f"the config.json of {checkpoint.folder} describes a model transformers cannot build "
+            f"({type(error).__name__}: {error})."
+        ) from None
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if not is_hc_parameter(name)}
     family = config.backbone_config.model_type
     tied = config.tie_word_embeddings
     if tied:
@@ -312,8 +441,9 @@ def write_weights(
         by_name = {planned.spec.name: planned for planned in shard}
         specs = aligned_order(planned.spec for planned in shard)
         with (
-            tqdm(total=sum(s.nbytes for s in specs), unit="B", unit_scale=True, desc=file_name, disable=not progress)
-            as bar,
+            tqdm(
+                total=sum(s.nbytes for s in specs), unit="B", unit_scale=True, desc=file_name, disable=not progress
+            ) as bar,
             SafetensorsStreamWriter(folder / file_name, specs, metadata={"format": "pt"}) as writer,
         ):
             for spec in specs:
@@ -354,16 +484,35 @@ def write_config_and_code(config: MHCConfig, folder: Path, model_dtype: torch.dt
 
 
 def copy_auxiliary_files(source_folder: Path, folder: Path) -> list[str]:
-    """Copy the tokenizer, chat-template and generation-config files of the source (following links)."""
+    """Copy the tokenizer, chat-template, generation-config and license files of the source into ``folder``.
+
+    Their content is copied (links are followed) only from inside the source (see
+    :func:`~.source.check_inside_source`); a symbolic link leading elsewhere raises :class:`ConversionError`.
+    """
     copied = []
     for entry in sorted(source_folder.iterdir()):
         if entry.is_file() and any(fnmatch.fnmatch(entry.name, pattern) for pattern in COPIED_FILE_PATTERNS):
+            check_inside_source(entry, source_folder)
             shutil.copyfile(entry, folder / entry.name)
             copied.append(entry.name)
         elif entry.is_dir() and entry.name in COPIED_FOLDERS:
+            _check_tree_inside_source(entry, source_folder)
             shutil.copytree(entry, folder / entry.name)
             copied.append(entry.name)
     return copied
+
+
+def _check_tree_inside_source(tree: Path, source_folder: Path) -> None:
+    """Check every entry under ``tree`` (links followed) with :func:`~.source.check_inside_source`."""
+    check_inside_source(tree, source_folder)
+    seen = set()
+    for root, dirs, files in os.walk(tree, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:
+            raise ConversionError(f"{root} links back to a folder above it; remove the link loop from SRC.")
+        seen.add(real)
+        for name in (*dirs, *files):
+            check_inside_source(Path(root) / name, source_folder)
 
 
 def model_card(report: ConversionReport, config: MHCConfig, hub_id: str | None) -> str:
@@ -428,16 +577,22 @@ def _remove_stale_staging(out: Path) -> None:
         return
     prefix = f".{out.name}{STAGING_MARKER}"
     for entry in out.parent.iterdir():
-        if not entry.name.startswith(prefix) or not entry.is_dir():
+        if not entry.name.startswith(prefix) or not entry.is_dir() or entry.is_symlink():
             continue
         owner = entry.name[len(prefix) :].rsplit(".", 1)[0]
-        pid, _, host = owner.partition("@")
-        if host != socket.gethostname() or not pid.isdigit() or _process_alive(int(pid)):
-            continue
-        shutil.rmtree(entry, ignore_errors=True)
+        if _owner_is_dead(owner):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _owner_is_dead(owner: str) -> bool:
+    """Whether ``owner`` (``pid@host``) names a process of this host that no longer exists."""
+    pid, _, host = owner.partition("@")
+    return host == socket.gethostname() and pid.isdigit() and not _process_alive(int(pid))
 
 
 def _process_alive(pid: int) -> bool:
+    if os.name == "nt":  # os.kill(pid, 0) would send CTRL_C_EVENT there: never take a Windows process for dead
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -447,23 +602,151 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def _move_into_place(staging: Path, out: Path) -> None:
-    """Rename the finished ``staging`` folder to ``out``; an existing ``out`` is set aside first, removed after."""
-    if not out.exists():
-        os.rename(staging, out)
+class _OutputLock:
+    """``.OUT.hf-mhc-lock`` beside OUT: created with ``O_EXCL``, holding ``pid@host token``; one conversion per OUT.
+
+    A lock whose process is dead (same host) is moved aside atomically and taken over; if what was moved aside turns
+    out to be a newer lock (another conversion took over first), it is linked back and this conversion fails.
+    """
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.path = out.parent / f".{out.name}{LOCK_SUFFIX}"
+        self.owner = f"{os.getpid()}@{socket.gethostname()} {secrets.token_hex(6)}"
+
+    def __enter__(self) -> _OutputLock:
+        for _ in range(5):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = _read_text(self.path)
+                if holder is not None and not _owner_is_dead(holder.split(" ")[0]):
+                    raise self._busy(holder) from None
+                if holder is not None:
+                    self._take_over(holder)
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as file:
+                file.write(self.owner)
+            return self
+        raise self._busy(_read_text(self.path) or "")
+
+    def _take_over(self, holder: str) -> None:
+        aside = self.path.with_name(f"{self.path.name}.stale.{secrets.token_hex(6)}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            if _read_text(aside) != holder:
+                os.link(aside, self.path)  # a newer lock: put it back (never over a third one), and give way
+                raise self._busy(_read_text(aside) or "")
+        finally:
+            aside.unlink(missing_ok=True)
+
+    def _busy(self, holder: str) -> ConversionError:
+        who = holder.split(" ")[0] or "starting"
+        return ConversionError(
+            f"another hf-mhc convert ({who}) is writing OUT {self.out}; wait for it to finish, or delete "
+            f"{self.path} if no conversion is running there."
+        )
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if _read_text(self.path) == self.owner:
+            self.path.unlink(missing_ok=True)
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def _recover_replaced(out: Path) -> None:
+    """Old checkpoints of ``out`` that a killed ``--overwrite`` left in ``.OUT.hf-mhc-replaced.*`` (lock held).
+
+    One, with OUT missing (or an empty folder): renamed back to OUT. Otherwise each is kept and its path logged.
+    Never deleted.
+    """
+    prefix = f".{out.name}{REPLACED_MARKER}"
+    aside = sorted(
+        entry
+        for entry in out.parent.iterdir()
+        if entry.name.startswith(prefix) and entry.is_dir() and not entry.is_symlink()
+    )
+    if len(aside) == 1 and (not os.path.lexists(out) or (out.is_dir() and not out.is_symlink() and _rmdir(out))):
+        os.rename(aside[0], out)
+        logger.warning(
+            "restored %s from %s, where an interrupted --overwrite had set the old checkpoint aside", out, aside[0].name
+        )
         return
-    if not any(out.iterdir()):
-        out.rmdir()
-        os.rename(staging, out)
+    for folder in aside:
+        logger.warning(
+            "%s holds an earlier checkpoint of %s that an interrupted --overwrite set aside; it is kept: move it back "
+            "or delete it yourself",
+            folder,
+            out,
+        )
+
+
+def _rmdir(folder: Path) -> bool:
+    """Remove ``folder`` if it is empty; whether it was."""
+    try:
+        folder.rmdir()
+    except OSError:
+        return False
+    return True
+
+
+def _move_into_place(staging: Path, out: Path, existing: _Existing | None) -> None:
+    """Rename the finished ``staging`` folder to ``out``, replacing only ``existing`` (see :func:`_check_output`).
+
+    Without a checkpoint to replace, a single rename, which fails on a non-empty folder or a file: an OUT that
+    appeared meanwhile is left as it is. A checkpoint is set aside first, checked to be the folder found at the start,
+    and deleted only once the new one is in place.
+    """
+    if existing is not None and existing.empty:
+        if os.path.lexists(out) and (_identity(out) != existing.identity or not _rmdir(out)):
+            raise _appeared(out)
+        existing = None
+    if existing is None:
+        try:
+            os.rename(staging, out)
+        except OSError:
+            if os.path.lexists(out):
+                raise _appeared(out) from None
+            raise
         return
-    replaced = out.parent / f".{out.name}.hf-mhc-replaced.{secrets.token_hex(6)}"
-    os.rename(out, replaced)
+    replaced = out.parent / f".{out.name}{REPLACED_MARKER}{secrets.token_hex(6)}"
+    try:
+        os.rename(out, replaced)
+    except FileNotFoundError:  # the old checkpoint was removed meanwhile: nothing to replace
+        _move_into_place(staging, out, None)
+        return
+    if _identity(replaced) != existing.identity:
+        try:
+            os.rename(replaced, out)
+        except OSError:
+            raise ConversionError(
+                f"OUT {out} was replaced by another folder while converting; that folder is now in {replaced}, "
+                "and the converted checkpoint was not kept."
+            ) from None
+        raise _appeared(out)
     try:
         os.rename(staging, out)
     except BaseException:
         os.rename(replaced, out)
         raise
     shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _appeared(out: Path) -> ConversionError:
+    return ConversionError(
+        f"OUT {out} appeared or changed while converting (another program wrote it); it was left as it is and the "
+        "converted checkpoint was not kept: remove OUT or choose another folder, then convert again."
+    )
 
 
 __all__ = ["ConversionReport", "convert_checkpoint", "DEFAULT_MAX_SHARD_SIZE"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
 import zipfile
 from collections.abc import Iterator
@@ -42,15 +43,20 @@ class ResolvedSource:
 def resolve_source(src: str | Path, *, allow_pickle: bool = False) -> ResolvedSource:
     """A local folder for ``src``: the folder itself, or a Hub id's snapshot (downloaded or from the cache).
 
-    Like ``from_pretrained``, an existing path wins over a Hub id. From the Hub, the config, index and tokenizer files
-    come first, then only the weight files the index names (``*.bin`` only with ``allow_pickle``). With
-    ``HF_HUB_OFFLINE=1`` the local Hub cache is used.
+    Like ``from_pretrained``, an existing path wins over a Hub id; a missing one that is written as a path
+    (:func:`looks_like_path`) is reported as a missing folder, not looked up on the Hub. From the Hub, the config,
+    index and tokenizer files come first, then only the weight files the index names (``*.bin`` only with
+    ``allow_pickle``). With ``HF_HUB_OFFLINE=1`` the local Hub cache is used.
     """
+    if not os.fspath(src).strip():
+        raise ConversionError("SRC is empty; pass a checkpoint folder or a Hub model id such as 'org/name'.")
     path = Path(src).expanduser()
     if path.exists():
         if not path.is_dir():
             raise ConversionError(f"SRC {str(src)!r} is a file; pass the checkpoint folder that holds its config.json.")
         return ResolvedSource(path)
+    if looks_like_path(os.fspath(src)):
+        raise ConversionError(f"no such folder: {src} (SRC); pass an existing checkpoint folder.")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
@@ -71,6 +77,41 @@ def resolve_source(src: str | Path, *, allow_pickle: bool = False) -> ResolvedSo
             "check the path or the model id (and HF_TOKEN for gated models, HF_HUB_OFFLINE for the cache)."
         ) from None
     return ResolvedSource(folder, hub_id=str(src))
+
+
+def looks_like_path(src: str) -> bool:
+    """Whether ``src`` is written as a file-system path rather than a Hub id (``name`` or ``org/name``): it starts
+    with ``.``, ``/`` or ``~``, is absolute, has more than one ``/`` or a ``\\``, or its first component exists here
+    (``outputs/mergd`` beside a folder ``outputs``)."""
+    if src.startswith((".", "/", "~")) or os.path.isabs(src) or src.count("/") > 1 or "\\" in src:
+        return True
+    return "/" in src and os.path.lexists(src.split("/")[0])
+
+
+def allowed_link_roots(folder: Path) -> tuple[Path, ...]:
+    """Where the files of the source folder may really live: in the folder itself and, for a Hugging Face cache
+    snapshot (``models--org--name/snapshots/REVISION``, made of links into ``../../blobs/``), in that repo's blob
+    store. Both are resolved (symbolic links followed)."""
+    folder = Path(os.path.realpath(folder))
+    roots = [folder]
+    blobs = folder.parent.parent / "blobs"
+    if folder.parent.name == "snapshots" and blobs.is_dir():
+        roots.append(Path(os.path.realpath(blobs)))
+    return tuple(roots)
+
+
+def check_inside_source(path: Path, folder: Path) -> None:
+    """Raise ConversionError when ``path`` (a file or folder in the source ``folder``) is a symbolic link, or lies
+    under one, that leads outside the folder (and outside a cache snapshot's blob store, see
+    :func:`allowed_link_roots`): nothing from elsewhere on the machine may end up in the converted checkpoint."""
+    real = Path(os.path.realpath(path))
+    if any(real == root or root in real.parents for root in allowed_link_roots(folder)):
+        return
+    raise ConversionError(
+        f"{path} is a symbolic link to {real}, outside SRC; hf-mhc convert does not follow links out of the source "
+        "folder, so that no file from elsewhere on this machine ends up in OUT. Copy the file into SRC (cp -L) if "
+        "you mean to include it."
+    )
 
 
 def hub_weight_files(folder: Path, *, allow_pickle: bool) -> list[str]:
@@ -127,6 +168,9 @@ class SourceCheckpoint:
 
     @classmethod
     def inspect(cls, folder: Path, *, allow_pickle: bool = False) -> SourceCheckpoint:
+        for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, PICKLE_WEIGHTS_NAME, PICKLE_WEIGHTS_INDEX_NAME):
+            if (folder / name).exists():
+                check_inside_source(folder / name, folder)
         if (folder / SAFE_WEIGHTS_NAME).is_file():
             return cls._from_files(folder, "safetensors", [SAFE_WEIGHTS_NAME], None)
         if (folder / SAFE_WEIGHTS_INDEX_NAME).is_file():
@@ -156,6 +200,7 @@ class SourceCheckpoint:
     ) -> SourceCheckpoint:
         tensors: dict[str, SourceTensor] = {}
         for file in files:
+            check_inside_source(folder / file, folder)
             for name, dtype, shape in _tensor_headers(folder / file, fmt):
                 if name in tensors:
                     raise ConversionError(f"tensor {name} is stored twice, in {tensors[name].file} and {file}.")
@@ -293,5 +338,6 @@ __all__ = [
     "SourceCheckpoint",
     "SourceTensor",
     "TensorReader",
+    "check_inside_source",
     "resolve_source",
 ]

@@ -204,7 +204,7 @@ def test_hub_id_resolves_from_the_cache_offline(tmp_path, capsys, monkeypatch):
 
 def test_missing_src(tmp_path, capsys):
     status, _, err = convert(capsys, tmp_path / "absent", tmp_path / "out")
-    assert_one_line_error(status, err, "does not exist")
+    assert_one_line_error(status, err, f"no such folder: {tmp_path / 'absent'}")
     assert not (tmp_path / "out").exists()
 
 
@@ -244,8 +244,14 @@ def test_existing_out_is_kept_without_overwrite_and_replaced_with_it(tmp_path, c
     assert [p.name for p in out.iterdir()] == ["precious.txt"] and (out / "precious.txt").read_text() == "keep me"
 
     status, _, err = convert(capsys, tmp_path / "src", out, "--no-verify", "--overwrite")
+    assert_one_line_error(status, err, "does not look like a checkpoint")  # --overwrite replaces only a checkpoint
+    assert [p.name for p in out.iterdir()] == ["precious.txt"]
+
+    save_source(out, "llama")  # now OUT holds a checkpoint (and precious.txt beside it)
+    status, _, err = convert(capsys, tmp_path / "src", out, "--no-verify", "--overwrite")
     assert status == 0, err
     assert not (out / "precious.txt").exists() and (out / "model.safetensors").is_file()
+    assert json.loads((out / "config.json").read_text())["backbone_config"]["model_type"] == "qwen2"
     assert not leftovers(tmp_path)
 
     status, _, err = convert(capsys, tmp_path / "src", tmp_path / "src", "--overwrite")
@@ -321,12 +327,12 @@ def test_interruption_leaves_no_output_and_no_staging(tmp_path, capsys, monkeypa
     assert len(written) == 5 and not (tmp_path / "new").exists()  # not even the parent it created
 
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
+    save_source(out, "qwen2")
+    old = {path.name: path.read_bytes() for path in out.iterdir()}
     written.clear()
     with pytest.raises(KeyboardInterrupt):
         convert_checkpoint(tmp_path / "src", out, overwrite=True, progress=False)
-    assert [p.name for p in out.iterdir()] == ["old.txt"] and not leftovers(tmp_path)
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == old and not leftovers(tmp_path)
 
 
 def test_stale_staging_of_a_dead_process_is_removed(tmp_path, capsys):
@@ -354,7 +360,7 @@ def test_failed_verification_writes_nothing(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(convert_module, "function_preserving_hc_tensors", wrong_init)
     status, _, err = convert(capsys, tmp_path / "src", tmp_path / "out")
-    assert_one_line_error(status, err, "does not reproduce the source", "threshold 0.0001")
+    assert_one_line_error(status, err, "does not reproduce the source", "greedy decoding of 32 tokens", "bug")
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 
