@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import signal
 import sys
 import threading
@@ -99,7 +100,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 
 def _run_convert(args: argparse.Namespace) -> int:
     try:
-        with _sigterm_raises_keyboard_interrupt():
+        with _sigterm_raises_keyboard_interrupt(), _conversion_warnings_on_stderr():
             report = convert_checkpoint(
                 args.src,
                 args.out,
@@ -117,6 +118,19 @@ def _run_convert(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     _print_report(report)
     return 0
+
+
+@contextlib.contextmanager
+def _conversion_warnings_on_stderr() -> Iterator[None]:
+    """Within the block, the converter's warnings (e.g. an old OUT restored) print as one line each on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("hf-mhc convert: warning: %(message)s"))
+    conversion_logger = logging.getLogger("hf_mhc.conversion")
+    conversion_logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        conversion_logger.removeHandler(handler)
 
 
 def _print_report(report: ConversionReport) -> None:
