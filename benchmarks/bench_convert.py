@@ -12,7 +12,10 @@ child process (started by a small launcher), whose wall time and peak RSS (``ru_
 
 Runs alternate copy / convert ``--repeats`` times; the medians are reported. Usage::
 
-    .venv/bin/python benchmarks/bench_convert.py [--size-gb 2] [--repeats 3] [--output benchmarks/results/convert.json]
+    .venv/bin/python benchmarks/bench_convert.py [--size-gb 2] [--repeats 3] [--json benchmarks/results/convert.json]
+
+Prints each command to stderr as it starts and each run's figures as it ends, then the table; the results are written
+as JSON only with ``--json PATH`` (otherwise printed after the table).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from benchlib import add_json_argument, progress, report
 from transformers import LlamaConfig
 
 from hf_mhc.conversion.safetensors_stream import SafetensorsStreamWriter, TensorSpec
@@ -141,48 +145,61 @@ def measure(command: list[str]) -> dict[str, float]:
     return {"seconds": result["seconds"], "peak_rss_mb": result["peak_rss_mb"]}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size in GB (default 2)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each command (default 3; medians reported)")
-    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "convert.json")
-    args = parser.parse_args()
+    add_json_argument(parser)
+    return parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = run_benchmark(args)
+    report(markdown_table(result), result, args.json)
+
+
+def run_benchmark(args: argparse.Namespace) -> dict:
+    """Write the synthetic checkpoint, time every command ``args.repeats`` times; the results (medians, ratios,
+    every run, the machine)."""
     config = synthetic_llama_config(args.size_gb)
     with tempfile.TemporaryDirectory(prefix="bench-convert-") as tmp:
         tmp_path = Path(tmp)
         source = tmp_path / "source"
         source.mkdir()
         started = time.perf_counter()
+        progress(f"writing the synthetic checkpoint ({args.size_gb} GB) to {source}")
         source_bytes = write_synthetic_checkpoint(source, config)
         shard_sizes = [path.stat().st_size for path in source.glob("model-*.safetensors")]
-        print(f"wrote {source_bytes / 1e9:.2f} GB in {len(shard_sizes)} shards ({config.num_hidden_layers} layers) "
-              f"in {time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
+        progress(f"wrote {source_bytes / 1e9:.2f} GB in {len(shard_sizes)} shards ({config.num_hidden_layers} layers) "
+                 f"in {time.perf_counter() - started:.0f} s")
 
         runs: dict[str, list[dict[str, float]]] = {"copy": [], "copy_fsync": [], "convert": [], "import": []}
         copy_code = "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2])"
         for repeat in range(args.repeats):
             copy_out, convert_out = tmp_path / f"copy-{repeat}", tmp_path / f"mhc-{repeat}"
-            runs["copy"].append(measure([sys.executable, "-c", copy_code, str(source), str(copy_out)]))
-            shutil.rmtree(copy_out)
-            runs["copy_fsync"].append(
-                measure([sys.executable, "-c", COPY_FSYNC_CODE, str(source), str(copy_out)])
-            )
-            convert_command = [str(HF_MHC_SCRIPT), "convert", str(source), str(convert_out), "--no-verify"]
-            runs["convert"].append(measure(convert_command))
-            runs["import"].append(measure([sys.executable, "-c", "import hf_mhc.cli"]))
+            commands = {
+                "copy": [sys.executable, "-c", copy_code, str(source), str(copy_out)],
+                "copy_fsync": [sys.executable, "-c", COPY_FSYNC_CODE, str(source), str(copy_out)],
+                "convert": [str(HF_MHC_SCRIPT), "convert", str(source), str(convert_out), "--no-verify"],
+                "import": [sys.executable, "-c", "import hf_mhc.cli"],
+            }
+            for name, command in commands.items():
+                progress(f"repeat {repeat + 1}/{args.repeats}: {name}")
+                runs[name].append(measure(command))
+                if name == "copy":
+                    shutil.rmtree(copy_out)
             output_bytes = sum(f.stat().st_size for f in convert_out.glob("*.safetensors"))
             shutil.rmtree(copy_out)
             shutil.rmtree(convert_out)
-            print(f"run {repeat + 1}: " + ", ".join(
-                f"{name} {r[-1]['seconds']:.1f} s / {r[-1]['peak_rss_mb']:.0f} MB" for name, r in runs.items()
-            ), flush=True)  # fmt: skip
+            progress(f"repeat {repeat + 1}/{args.repeats} done: " + "; ".join(
+                f"{name} {r[-1]['seconds']:.1f} s / {r[-1]['peak_rss_mb']:.0f} MB" for name, r in runs.items()))
 
     median = {
         name: {key: statistics.median(run[key] for run in results) for key in results[0]}
         for name, results in runs.items()
     }
-    result = {
+    return {
         "command": "hf-mhc convert SRC OUT --no-verify",
         "checkpoint": {
             "family": "llama",
@@ -208,10 +225,6 @@ def main() -> None:
             "torch": torch.__version__,
         },
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
-    print(markdown_table(result))
-    print(f"results written to {args.output}")
 
 
 def markdown_table(result: dict) -> str:

@@ -4,23 +4,25 @@ hf_mhc.kernels against transformers' DeepSeek-V4 path (``DeepseekV4HyperConnecti
     .venv/bin/python benchmarks/bench_kernels.py            # n=4, C=1024, 4096 tokens, fp32, on CPU
     .venv/bin/python benchmarks/bench_kernels.py --json benchmarks/results/kernels_cpu.json
 
-Reports the median time of repeats measured side by side in one run (the paths alternate, so machine noise hits
-all of them), their ratio, and the bytes each saves for backward per token (``saved_tensors_hooks``, distinct storages,
+Reports the median time of repeats measured side by side in one run (the paths alternate, so machine noise hits all
+of them), their ratio, and the bytes each saves for backward per token (``saved_tensors_hooks``, distinct storages,
 the parameters excluded). On a CUDA device it also times each Triton kernel and reports its achieved memory
 bandwidth; with Liger-Kernel installed, its ``liger_mhc_*`` ops run beside ours (as a third path, and per op).
+
+Prints each repeat to stderr as it runs, then the tables; the results are written as JSON only with ``--json PATH``
+(otherwise printed after the tables).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from benchlib import add_json_argument, progress, report
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
 
 from hf_mhc.kernels import mhc_coeffs, mhc_coeffs_pre, mhc_post_res, mhc_pre
@@ -116,7 +118,8 @@ def kernel_bandwidth(hc, streams, backend: str, repeats: int, peak_gbps: float |
         runs += [(name, "liger", liger_runs[name], ops[name][1]) for name in ops]
     rows = []
     with torch.no_grad():
-        for name, op_backend, run, bytes_per_token in runs:
+        for number, (name, op_backend, run, bytes_per_token) in enumerate(runs, start=1):
+            progress(f"op {number}/{len(runs)}: {name} ({op_backend}), {repeats} repeats")
             seconds = median_seconds(run, streams.device, repeats)
             gbps = bytes_per_token * tokens / seconds / 1e9
             rows.append({"op": name, "backend": op_backend, "median_ms": 1e3 * seconds,
@@ -125,7 +128,7 @@ def kernel_bandwidth(hc, streams, backend: str, repeats: int, peak_gbps: float |
     return rows
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -135,8 +138,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--peak-gbps", type=float, help="the device's peak memory bandwidth, e.g. 4800 for an H200")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    args = parser.parse_args()
+    add_json_argument(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -158,16 +165,19 @@ def main() -> None:
     if device.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None:
         liger = LigerSite(hc)
         paths[LIGER_PATH] = liger
-    for site in paths.values():  # warm-up (and Triton compilation)
+    for name, site in paths.items():  # warm-up (and Triton compilation)
+        progress(f"warm-up: {name}")
         forward_backward(site, streams, grad_out)
     times = {name: [] for name in paths}
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for name, site in paths.items():
             synchronize(device)
             start = time.perf_counter()
             forward_backward(site, streams, grad_out)
             synchronize(device)
             times[name].append(time.perf_counter() - start)
+        progress(f"repeat {repeat + 1}/{args.repeats}: " + "; ".join(
+            f"{name}: {1e3 * samples[-1]:.1f} ms" for name, samples in times.items()))
     params = tuple(hc.parameters()) + ((liger.phi,) if liger else ())
     results = {
         "config": {"n": args.n, "hidden": args.hidden, "tokens": args.tokens, "dtype": args.dtype,
@@ -175,6 +185,7 @@ def main() -> None:
         "paths": {},
     }
     for name, site in paths.items():
+        progress(f"bytes saved for backward: {name}")
         saved = saved_bytes_for_backward(lambda site=site: site(streams), exclude=params)
         results["paths"][name] = {"median_ms": 1e3 * statistics.median(times[name]),
                                   "saved_bytes_per_token": saved / args.tokens}
@@ -184,28 +195,27 @@ def main() -> None:
         results["speedup_vs_liger"] = results["paths"][LIGER_PATH]["median_ms"] / ours["median_ms"]
     results["saved_bytes_budget_per_token"] = (args.n + 1) * args.hidden * streams.element_size() + 512
 
-    print(f"one mHC site, forward + backward: n={args.n}, C={args.hidden}, {args.tokens} tokens, {args.dtype}, "
-          f"{device}, median of {args.repeats}")
-    print("| path | median ms | saved for backward, bytes/token |")
-    print("| --- | ---: | ---: |")
-    for name, row in results["paths"].items():
-        print(f"| {name} | {row['median_ms']:.1f} | {row['saved_bytes_per_token']:,.0f} |")
-    print(f"speed-up: {results['speedup']:.2f}x; budget (n+1)*C*bytes + 512 = "
-          f"{results['saved_bytes_budget_per_token']:,} bytes/token")
-    if liger:
-        print(f"against Liger-Kernel: {results['speedup_vs_liger']:.2f}x")
     backend = "triton" if device.type == "cuda" else "torch"
     results["kernels"] = kernel_bandwidth(hc, streams.detach(), backend, args.repeats, args.peak_gbps, liger)
-    print("forward of each op alone: bytes it must move per token, achieved bandwidth")
-    print("| op | backend | median ms | bytes/token | GB/s | of peak |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+
+    lines = [f"one mHC site, forward + backward: n={args.n}, C={args.hidden}, {args.tokens} tokens, {args.dtype}, "
+             f"{device}, median of {args.repeats}",
+             "| path | median ms | saved for backward, bytes/token |",
+             "| --- | ---: | ---: |"]
+    lines += [f"| {name} | {row['median_ms']:.1f} | {row['saved_bytes_per_token']:,.0f} |"
+              for name, row in results["paths"].items()]
+    lines.append(f"speed-up: {results['speedup']:.2f}x; budget (n+1)*C*bytes + 512 = "
+                 f"{results['saved_bytes_budget_per_token']:,} bytes/token")
+    if liger:
+        lines.append(f"against Liger-Kernel: {results['speedup_vs_liger']:.2f}x")
+    lines += ["forward of each op alone: bytes it must move per token, achieved bandwidth",
+              "| op | backend | median ms | bytes/token | GB/s | of peak |",
+              "| --- | --- | ---: | ---: | ---: | ---: |"]
     for row in results["kernels"]:
         peak = f"{100 * row['fraction_of_peak']:.0f} %" if row["fraction_of_peak"] else "n/a"
-        print(f"| {row['op']} | {row['backend']} | {row['median_ms']:.2f} | {row['bytes_per_token']:,} | "
-              f"{row['achieved_gbps']:.1f} | {peak} |")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        lines.append(f"| {row['op']} | {row['backend']} | {row['median_ms']:.2f} | {row['bytes_per_token']:,} | "
+                     f"{row['achieved_gbps']:.1f} | {peak} |")
+    report("\n".join(lines), results, args.json)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,19 @@
 """Bytes saved for backward per token per decoder layer: residual Llama vs its mHC upcycle, with and without
 selective recomputation (``hc_recompute``) and gradient checkpointing.
 
-    .venv/bin/python benchmarks/bench_memory.py [--hidden 512] [--layers 4] [--tokens 512] [--n 4]
+    .venv/bin/python benchmarks/bench_memory.py [--hidden 512] [--layers 4] [--tokens 512] [--n 4] [--json PATH]
 
 Counts the distinct storages autograd keeps (``saved_tensors_hooks``), parameters excluded: deterministic, so one
-run suffices. Writes JSON with ``--json``.
+run suffices. Prints each case to stderr as it is measured, then the table; the results are written as JSON only
+with ``--json PATH`` (otherwise printed after the table).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
+from benchlib import add_json_argument, progress, report
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_mhc
@@ -27,14 +27,18 @@ def per_token_per_layer(model, ids, layers: int) -> float:
     return saved / ids.numel() / layers
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    add_json_argument(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden),
                          num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=2,
@@ -42,29 +46,33 @@ def main() -> None:
     residual = LlamaForCausalLM(config)
     mhc = hf_mhc.upcycle(residual, hc_mult=args.n)
     ids = torch.randint(0, config.vocab_size, (1, args.tokens))
-    rows = {"residual Llama": per_token_per_layer(residual, ids, args.layers)}
-    rows[f"mHC n={args.n}"] = per_token_per_layer(mhc, ids, args.layers)
+    rows = {}
+
+    def measure(name: str, model) -> None:
+        progress(f"case {len(rows) + 1}/6: {name}")
+        rows[name] = per_token_per_layer(model, ids, args.layers)
+
+    measure("residual Llama", residual)
+    measure(f"mHC n={args.n}", mhc)
     for layer in mhc.model.layers:
         layer.hc_recompute = True
-    rows[f"mHC n={args.n}, hc_recompute"] = per_token_per_layer(mhc, ids, args.layers)
+    measure(f"mHC n={args.n}, hc_recompute", mhc)
     mhc.activation_checkpointing_enable()
-    rows[f"mHC n={args.n}, hc_recompute + gradient checkpointing"] = per_token_per_layer(mhc, ids, args.layers)
+    measure(f"mHC n={args.n}, hc_recompute + gradient checkpointing", mhc)
     for layer in mhc.model.layers:
         layer.hc_recompute = False
-    rows[f"mHC n={args.n}, gradient checkpointing"] = per_token_per_layer(mhc, ids, args.layers)
-    residual.gradient_checkpointing_enable()
-    rows["residual Llama, gradient checkpointing"] = per_token_per_layer(residual, ids, args.layers)
+    measure(f"mHC n={args.n}, gradient checkpointing", mhc)
+    residual.activation_checkpointing_enable()
+    measure("residual Llama, gradient checkpointing", residual)
 
-    print(f"bytes saved for backward per token per layer: C={args.hidden}, {args.layers} layers, {args.tokens} tokens, "
-          f"fp32 (C*4 = {args.hidden * 4:,} bytes)")
-    print("| model | bytes/token/layer | in units of C*4 |")
-    print("| --- | ---: | ---: |")
-    for name, value in rows.items():
-        print(f"| {name} | {value:,.0f} | {value / (4 * args.hidden):.1f} |")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"config": vars(args) | {"json": None}, "bytes_per_token_per_layer": rows},
-                                        indent=2) + "\n")
+    lines = [f"bytes saved for backward per token per layer: C={args.hidden}, {args.layers} layers, {args.tokens} "
+             f"tokens, fp32 (C*4 = {args.hidden * 4:,} bytes)",
+             "| model | bytes/token/layer | in units of C*4 |",
+             "| --- | ---: | ---: |"]
+    lines += [f"| {name} | {value:,.0f} | {value / (4 * args.hidden):.1f} |" for name, value in rows.items()]
+    results = {"config": {key: value for key, value in vars(args).items() if key != "json"},
+               "bytes_per_token_per_layer": rows}
+    report("\n".join(lines), results, args.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Training-step time of an mHC model against its residual baseline: forward + backward of the loss.
 
-    .venv/bin/python benchmarks/bench_training_step.py [--hidden 1024] [--layers 4] [--tokens 2048] [--n 4]
+    .venv/bin/python benchmarks/bench_training_step.py [--hidden 1024] [--layers 4] [--tokens 2048] [--n 4] \
+        [--repeats 7] [--json PATH]
 
 Models, measured side by side in one run (they alternate, so machine noise hits all of them; medians of repeats):
 
@@ -11,19 +12,19 @@ Models, measured side by side in one run (they alternate, so machine noise hits 
 - ``mHC, plain formula``: the same model with its three mHC calls swapped for ``hf_mhc.mhc_reference`` (what a
   checkpoint loaded as remote code without the plugin runs: autograd through the unrolled formula).
 
-The overhead is each mHC row's time over the residual one, minus 1. Writes JSON with ``--json``.
+The overhead is each mHC row's time over the residual one, minus 1. Prints each repeat to stderr as it runs, then the
+table; the results are written as JSON only with ``--json PATH`` (otherwise printed after the table).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
+from benchlib import add_json_argument, progress, report
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_mhc
@@ -62,7 +63,7 @@ def training_step(model, ids) -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
@@ -70,8 +71,12 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    args = parser.parse_args()
+    add_json_argument(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden),
                          num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=2,
@@ -85,27 +90,29 @@ def main() -> None:
         f"mHC n={args.n}, hc_recompute": lambda: _with(recomputing(mhc, True), training_step, mhc, ids),
         f"mHC n={args.n}, plain formula": lambda: _with(plain_formula(), training_step, mhc, ids),
     }
-    for run in runs.values():  # warm-up
+    for name, run in runs.items():
+        progress(f"warm-up: {name}")
         run()
     samples = {name: [] for name in runs}
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for name, run in runs.items():
             start = time.perf_counter()
             run()
             samples[name].append(time.perf_counter() - start)
+        progress(f"repeat {repeat + 1}/{args.repeats}: " + "; ".join(
+            f"{name}: {1e3 * times[-1]:.0f} ms" for name, times in samples.items()))
     medians = {name: 1e3 * statistics.median(times) for name, times in samples.items()}
     baseline = medians["residual Llama"]
-    print(f"training step (forward + backward): Llama C={args.hidden}, {args.layers} layers, {args.tokens} tokens, "
-          f"fp32, {args.device} ({torch.get_num_threads()} CPU threads), median of {args.repeats}")
-    print("| model | median ms | over the residual model |")
-    print("| --- | ---: | ---: |")
+    lines = [f"training step (forward + backward): Llama C={args.hidden}, {args.layers} layers, {args.tokens} tokens, "
+             f"fp32, {args.device} ({torch.get_num_threads()} CPU threads), median of {args.repeats}",
+             "| model | median ms | over the residual model |",
+             "| --- | ---: | ---: |"]
     for name, value in medians.items():
         overhead = "" if name == "residual Llama" else f"+{100 * (value / baseline - 1):.0f} %"
-        print(f"| {name} | {value:.0f} | {overhead} |")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"config": vars(args) | {"json": None, "threads": torch.get_num_threads()},
-                                         "median_ms": medians}, indent=2) + "\n")
+        lines.append(f"| {name} | {value:.0f} | {overhead} |")
+    config = {key: value for key, value in vars(args).items() if key != "json"}
+    report("\n".join(lines), {"config": config | {"threads": torch.get_num_threads()}, "median_ms": medians},
+           args.json)
 
 
 def _with(context, function, *args):

@@ -6,6 +6,9 @@ floor it is measured against. Each measurement runs in its own child process, wh
 the source already took (``ru_maxrss``). The two steps alternate ``--repeats`` times; medians are reported::
 
     .venv/bin/python benchmarks/bench_upcycle.py [--layers 16] [--hidden 1024] [--repeats 3] [--json PATH]
+
+Prints each run to stderr as it finishes, then the table; the results are written as JSON only with ``--json PATH``
+(otherwise printed after the table).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import json
 import statistics
 import subprocess
 import sys
-from pathlib import Path
+
+from benchlib import add_json_argument, progress, report
 
 CHILD = """
 import copy, json, resource, sys, time
@@ -46,32 +50,37 @@ def measure(step: str, layers: int, hidden: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", type=Path, help="write the results here")
-    args = parser.parse_args()
+    add_json_argument(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     runs = {"copy.deepcopy": [], "hf_mhc.upcycle": []}
-    for _ in range(args.repeats):
-        runs["copy.deepcopy"].append(measure("deepcopy", args.layers, args.hidden))
-        runs["hf_mhc.upcycle"].append(measure("upcycle", args.layers, args.hidden))
+    for repeat in range(args.repeats):
+        for name, step in (("copy.deepcopy", "deepcopy"), ("hf_mhc.upcycle", "upcycle")):
+            progress(f"repeat {repeat + 1}/{args.repeats}: {name} ...")
+            runs[name].append(measure(step, args.layers, args.hidden))
+            progress(f"    {runs[name][-1]['seconds']:.2f} s, {runs[name][-1]['peak_rss_above_source_mib']:.0f} MiB "
+                     "above the source")
     source_mib = runs["hf_mhc.upcycle"][0]["source_mib"]
     results = {"config": {"layers": args.layers, "hidden": args.hidden, "dtype": "bfloat16", "hc_mult": 4,
                           "source_mib": source_mib, "repeats": args.repeats}, "steps": {}}
-    print(f"bfloat16 Llama, {args.layers} layers, C = {args.hidden}: {source_mib:.0f} MiB of weights; "
-          f"median of {args.repeats}, each run in a fresh process")
-    print("| step | seconds | peak RSS above the source, MiB |")
-    print("| --- | ---: | ---: |")
+    lines = [f"bfloat16 Llama, {args.layers} layers, C = {args.hidden}: {source_mib:.0f} MiB of weights; "
+             f"median of {args.repeats}, each run in a fresh process",
+             "| step | seconds | peak RSS above the source, MiB |",
+             "| --- | ---: | ---: |"]
     for step, samples in runs.items():
         row = {key: statistics.median(sample[key] for sample in samples)
                for key in ("seconds", "peak_rss_above_source_mib")}
         results["steps"][step] = row
-        print(f"| {step} | {row['seconds']:.2f} | {row['peak_rss_above_source_mib']:.0f} |")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        lines.append(f"| {step} | {row['seconds']:.2f} | {row['peak_rss_above_source_mib']:.0f} |")
+    report("\n".join(lines), results, args.json)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,102 @@
+"""The benchmark scripts print progress, and write their results only to the ``--json PATH`` they are given.
+
+The scripts run in this process at their smallest sizes (a few seconds in all). ``bench_upcycle`` and
+``bench_convert`` measure child processes (each imports torch) and a 2 GB checkpoint: there the measurement and the
+checkpoint writer are replaced by stand-ins, and the rest of the script runs as it is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = ["bench_kernels", "bench_memory", "bench_training_step", "bench_upcycle", "bench_convert"]
+TINY = {
+    "bench_kernels": ["--n", "2", "--hidden", "16", "--tokens", "8", "--repeats", "1", "--device", "cpu"],
+    "bench_memory": ["--n", "2", "--hidden", "128", "--layers", "1", "--tokens", "16"],
+    "bench_training_step": ["--n", "2", "--hidden", "128", "--layers", "1", "--tokens", "16", "--repeats", "1",
+                            "--device", "cpu"],
+    "bench_upcycle": ["--repeats", "1"],
+    "bench_convert": ["--repeats", "1"],
+}
+PROGRESS = {
+    "bench_kernels": "repeat 1/1: ",
+    "bench_memory": "case 6/6: residual Llama, gradient checkpointing",
+    "bench_training_step": "repeat 1/1: ",
+    "bench_upcycle": "repeat 1/1: hf_mhc.upcycle",
+    "bench_convert": "repeat 1/1: convert",
+}
+
+
+@pytest.fixture
+def load(monkeypatch):
+    """Import a script from ``benchmarks/`` as a module (its folder on ``sys.path``, as when it runs)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+
+    def load_script(name: str):
+        spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load_script
+
+
+def stand_ins(module, name: str, monkeypatch) -> None:
+    """No child processes and no 2 GB checkpoint for the two scripts that need them."""
+    if name == "bench_upcycle":
+        monkeypatch.setattr(module, "measure", lambda step, layers, hidden: {
+            "seconds": 1.5, "peak_rss_above_source_mib": 10.0, "source_mib": 100.0})
+    if name == "bench_convert":
+        def write_checkpoint(folder: Path, config) -> int:
+            (folder / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 64)
+            return 64
+
+        def measure(command: list[str]) -> dict[str, float]:
+            if "convert" in command:  # hf-mhc convert SRC OUT
+                Path(command[command.index("convert") + 2]).mkdir()
+            elif "copytree" in command[2]:  # python -c CODE SRC OUT
+                Path(command[-1]).mkdir()
+            return {"seconds": 2.0, "peak_rss_mb": 300.0}
+
+        monkeypatch.setattr(module, "write_synthetic_checkpoint", write_checkpoint)
+        monkeypatch.setattr(module, "measure", measure)
+
+
+def files_under(folder: Path) -> dict[str, int]:
+    return {str(path.relative_to(folder)): path.stat().st_mtime_ns for path in folder.rglob("*") if path.is_file()}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_script_takes_json_and_has_no_default_output(load, name):
+    args = load(name).parse_args([])
+    assert args.json is None
+    assert load(name).parse_args(["--json", "out/results.json"]).json == Path("out/results.json")
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_run_prints_progress_and_writes_results_only_with_json(load, name, tmp_path, monkeypatch, capsys):
+    committed = files_under(BENCHMARKS / "results")
+    monkeypatch.chdir(tmp_path)
+    module = load(name)
+    stand_ins(module, name, monkeypatch)
+
+    module.main(TINY[name])
+    out, err = capsys.readouterr()
+    assert files_under(tmp_path) == {} and files_under(BENCHMARKS / "results") == committed
+    assert PROGRESS[name] in err
+    table, printed = out.split("results (not written; pass --json PATH to save them):")
+    assert "|---" in table.replace(" ", "")
+    assert json.loads(printed)
+
+    module.main([*TINY[name], "--json", "out/results.json"])
+    out, err = capsys.readouterr()
+    assert list(files_under(tmp_path)) == ["out/results.json"]
+    assert files_under(BENCHMARKS / "results") == committed
+    written = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert written.keys() == json.loads(printed).keys()
+    assert "results written to out/results.json" in err and "not written" not in out
