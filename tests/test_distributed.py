@@ -1,15 +1,19 @@
-"""FSDP2 sharding and pipeline-parallel stages of mHC models.
+"""FSDP2 sharding and pipeline-parallel stages of mHC models, and the torchrun examples that use them.
 
 The multi-process tests start two gloo ranks on loopback with ``torchrun`` (CPU only) and run the worker scripts in
-``tests/distributed_workers/``; each worker compares its rank's results with a one-process reference.
+``tests/distributed_workers/`` (or an example); each worker compares its rank's results with a one-process reference.
+A launch costs seconds, so each worker runs all its scenarios in one launch (a module-scoped fixture) and several
+tests read its output.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -19,10 +23,14 @@ from conftest import FAMILIES, VOCAB, tiny_backbone_config
 
 from hf_mhc import MHCConfig, MHCForCausalLM, MHCModel
 from hf_mhc.distributed import apply_fsdp2, pipeline_layer_split, split_pipeline
+from hf_mhc.modeling_mhc import AUTO_MAP
 
-WORKERS = Path(__file__).resolve().parent / "distributed_workers"
+TESTS = Path(__file__).resolve().parent
+WORKERS = TESTS / "distributed_workers"
+EXAMPLES = TESTS.parent / "examples"
 WORLD_SIZE = 2
-LAUNCH_TIMEOUT_S = 120
+LAUNCH_TIMEOUT_S = 180
+REMOTE_CODE_FILES = {"configuration_mhc.py", "modeling_mhc.py", "mhc_reference.py"}
 
 needs_distributed = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -33,8 +41,8 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def torchrun(worker: str, *args: str, cwd: Path) -> str:
-    """Run ``tests/distributed_workers/<worker>`` on two gloo ranks; return its output, fail with its tail."""
+def torchrun(script: Path, *args: str, cwd: Path) -> str:
+    """Run ``script`` on two gloo ranks; return its output, fail with its tail."""
     command = [
         sys.executable,
         "-m",
@@ -42,10 +50,13 @@ def torchrun(worker: str, *args: str, cwd: Path) -> str:
         f"--nproc_per_node={WORLD_SIZE}",
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
-        str(WORKERS / worker),
+        str(script),
         *args,
     ]
-    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # The ranks use the caller's thread count (1 unless OMP_NUM_THREADS says otherwise): the tolerances must hold
+    # for any.
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(
         command,
         cwd=cwd,  # not the repository root: its kernels/ folder would shadow Hugging Face's `kernels` package
@@ -55,7 +66,7 @@ def torchrun(worker: str, *args: str, cwd: Path) -> str:
         timeout=LAUNCH_TIMEOUT_S,
     )
     output = result.stdout + result.stderr
-    assert result.returncode == 0, f"{worker} {' '.join(args)} failed:\n{output[-6000:]}"
+    assert result.returncode == 0, f"{script.name} {' '.join(args)} failed:\n{output[-6000:]}"
     return output
 
 
@@ -71,20 +82,90 @@ def run_stages(stages, input_ids: torch.Tensor) -> torch.Tensor:
     return activations
 
 
+LOAD_WITHOUT_PLUGIN = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hf_mhc"] = None  # `import hf_mhc` now raises ImportError
+    import torch
+    from transformers import AutoModelForCausalLM
+    folder, ids_file, out_file = sys.argv[1:]
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    with torch.no_grad():
+        torch.save(model(torch.load(ids_file)).logits, out_file)
+    print(type(model).__module__, type(model).__name__)
+    """
+)
+
+
+def assert_ordinary_mhc_folder(folder: Path) -> None:
+    """``folder`` is what ``save_pretrained`` writes for an unwrapped mHC causal LM."""
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP, config["auto_map"]
+    assert config["architectures"] == ["MHCForCausalLM"], config["architectures"]
+    assert {path.name for path in folder.glob("*.py")} == REMOTE_CODE_FILES
+
+
+def assert_loads_without_the_plugin(folder: Path, work: Path) -> None:
+    """``folder`` loads with ``trust_remote_code=True`` where ``hf_mhc`` cannot be imported, to the logits the plugin
+    gives (its reference formula against the plugin's kernels: float32 rounding)."""
+    ids = torch.randint(3, 60, (2, 9))
+    torch.save(ids, work / "ids.pt")
+    env = {**os.environ, "HF_HOME": str(work / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_PLUGIN, str(folder), str(work / "ids.pt"), str(work / "out.pt")],
+        env=env, capture_output=True, text=True, timeout=300, cwd=work,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-2].startswith("transformers_modules"), result.stdout
+    with torch.no_grad():
+        expected = MHCForCausalLM.from_pretrained(folder).eval()(ids).logits
+    remote = torch.load(work / "out.pt")
+    assert (remote - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
 # --- FSDP2 ---------------------------------------------------------------------------------------------------------
 
 
-@needs_distributed
-def test_fsdp2_matches_one_process_and_saves_a_full_checkpoint(tmp_path):
-    output = torchrun("fsdp_worker.py", "parity", str(tmp_path / "checkpoint"), cwd=tmp_path)
-    assert "checkpoint reloads" in output
-    assert (tmp_path / "checkpoint" / "model.safetensors").exists()
+@pytest.fixture(scope="module")
+def fsdp_launch(tmp_path_factory) -> tuple[str, Path]:
+    """One launch of ``fsdp_worker.py`` (parity with a checkpoint, then bf16): its output and output folder."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    folder = tmp_path_factory.mktemp("fsdp")
+    return torchrun(WORKERS / "fsdp_worker.py", str(folder), cwd=folder), folder
 
 
-@needs_distributed
-def test_fsdp2_shards_a_bf16_model_with_float32_hyper_connections(tmp_path):
-    output = torchrun("fsdp_worker.py", "bf16", str(tmp_path), cwd=tmp_path)
+def test_fsdp2_matches_one_process_and_saves_a_full_checkpoint(fsdp_launch):
+    output, folder = fsdp_launch
+    assert "parity: loss and gradients match" in output and "checkpoint reloads" in output
+    assert (folder / "checkpoint" / "model.safetensors").exists()
+
+
+def test_fsdp2_shards_a_bf16_model_with_float32_hyper_connections(fsdp_launch):
+    output, _ = fsdp_launch
     assert "HC kept float32" in output
+
+
+def test_fsdp2_units_return_no_views(fsdp_launch):
+    output, _ = fsdp_launch
+    for rank in range(WORLD_SIZE):
+        assert f"rank {rank}: 0 view warnings" in output, output[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hyper_connection_outputs_are_not_views_while_training(dtype):
+    """FSDP2 hooks a unit's outputs for backward and warns about views (an in-place op on one drops the hook)."""
+    config = tiny_mhc(num_layers=1).config
+    trunk = MHCForCausalLM._from_config(config, dtype=dtype).train().model
+    streams = torch.randn(2, 5, 3, 32, dtype=dtype, requires_grad=True)
+    outputs = (*trunk.layers[0].attn_hc(streams), trunk.hc_head(streams))
+    assert [output._base is None for output in outputs] == [True] * 4
+
+
+def test_a_sharded_model_saves_an_ordinary_mhc_folder_that_loads_without_the_plugin(fsdp_launch, tmp_path):
+    _, folder = fsdp_launch
+    assert_ordinary_mhc_folder(folder / "checkpoint")
+    assert_loads_without_the_plugin(folder / "checkpoint", tmp_path)
 
 
 @needs_distributed
@@ -186,6 +267,19 @@ def dualpipev_available() -> bool:
     return hasattr(schedules, "ScheduleDualPipeV")
 
 
+def available_schedules() -> list[str]:
+    return ["gpipe", "1f1b", *(["dualpipev"] if dualpipev_available() else [])]
+
+
+@pytest.fixture(scope="module")
+def pipeline_launch(tmp_path_factory) -> str:
+    """One launch of ``pipeline_worker.py`` over every schedule this torch has: its output."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    folder = tmp_path_factory.mktemp("pipeline")
+    return torchrun(WORKERS / "pipeline_worker.py", *available_schedules(), cwd=folder)
+
+
 @needs_distributed
 @pytest.mark.parametrize(
     "schedule",
@@ -200,6 +294,6 @@ def dualpipev_available() -> bool:
         ),
     ],
 )
-def test_pipeline_schedule_matches_one_process(schedule, tmp_path):
-    output = torchrun("pipeline_worker.py", schedule, cwd=tmp_path)
-    assert f"{schedule}: loss" in output and "parameters match" in output
+def test_pipeline_schedule_matches_one_process(schedule, pipeline_launch):
+    line = next((line for line in pipeline_launch.splitlines() if line.startswith(f"{schedule}: loss")), None)
+    assert line is not None and "parameters match" in line, pipeline_launch[-3000:]
