@@ -113,8 +113,15 @@ class MHCHyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams [B, T, n, C]`` -> the sublayer input ``[B, T, C]`` (``pre`` collapse), ``post [B, T, n]`` and
-        ``comb [B, T, n, n]`` (float32), in one op."""
-        return mhc_coeffs_pre(streams, self.fn, self.base, self.scale, **self._map_settings())
+        ``comb [B, T, n, n]`` (float32), in one op. None of them is a view while gradients are recorded."""
+        outputs = mhc_coeffs_pre(streams, self.fn, self.base, self.scale, **self._map_settings())
+        if not torch.is_grad_enabled():
+            return outputs
+        # This module is an FSDP2 unit of its own (apply_fsdp2, or auto-wrapping by _no_split_modules), and FSDP2
+        # hooks a unit's outputs for backward: an in-place op on a view output would drop the hook and skip the
+        # all-gather. Some kernels return views of a larger buffer (the float32 torch collapse, the Triton maps):
+        # those are copied.
+        return tuple(output.clone() if output._base is not None else output for output in outputs)
 
     def maps(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The site's maps alone: ``pre [B, T, n]``, ``post [B, T, n]``, ``comb [B, T, n, n]`` (float32)."""
@@ -138,7 +145,10 @@ class MHCHyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        return mhc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, eps=self.hc_eps, norm_eps=self.norm_eps)
+        """``streams [B, T, n, C]`` -> ``[B, T, C]`` (streams' dtype); not a view while gradients are recorded."""
+        output = mhc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, eps=self.hc_eps, norm_eps=self.norm_eps)
+        # An FSDP2 unit's output must not be a view (see MHCHyperConnection.forward).
+        return output.clone() if output._base is not None and torch.is_grad_enabled() else output
 
 
 class MHCDecoderLayer(GradientCheckpointingLayer):
@@ -303,9 +313,23 @@ class MHCPreTrainedModel(PreTrainedModel):
         self._sync_backbone_attn_implementation()
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Save as an ordinary folder whose ``auto_map`` names every mHC class, for ``trust_remote_code`` loading."""
+        """Save as an ordinary folder whose ``auto_map`` names every mHC class, for ``trust_remote_code`` loading.
+
+        A model whose class torch replaced with a wrapper class (FSDP2's ``fully_shard`` turns ``MHCForCausalLM`` into
+        ``FSDPMHCForCausalLM``) saves as the class it wraps: the same ``auto_map`` and remote-code files
+        (``configuration_mhc.py``, ``modeling_mhc.py``, ``mhc_reference.py``) as the unwrapped model, not the
+        wrapper's name and torch's source files."""
         self.config.auto_map = dict(AUTO_MAP)
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        runtime_class = type(self)
+        if not runtime_class.__module__.startswith("torch."):
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        # transformers names type(self) in auto_map and copies the files of type(self)'s module. The wrapper keeps
+        # its state and hooks on the instance, so the model saves the same while it is, briefly, of the mHC class.
+        self.__class__ = next(cls for cls in runtime_class.__mro__ if not cls.__module__.startswith("torch."))
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            self.__class__ = runtime_class
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
