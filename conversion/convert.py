@@ -292,6 +292,11 @@ def _check_output(out: Path, overwrite: bool) -> _Existing | None:
         raise ConversionError(f"OUT {out} exists and is a file; choose a folder path.")
     _check_not_protected(out, None)
     if not out.exists():
+        ancestor = out.parent
+        while not ancestor.exists():
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            raise ConversionError(f"OUT {out} cannot be created: {ancestor} is a file.")
         return None
     empty = not any(out.iterdir())
     if not empty and not overwrite:
@@ -625,6 +630,10 @@ class _OutputLock:
                 if holder is not None:
                     self._take_over(holder)
                 continue
+            except OSError as error:
+                raise ConversionError(
+                    f"cannot write in {self.path.parent}, the folder of OUT ({error.strerror or error})."
+                ) from None
             with os.fdopen(fd, "w", encoding="utf-8") as file:
                 file.write(self.owner)
             return self
@@ -725,21 +734,25 @@ def _move_into_place(staging: Path, out: Path, existing: _Existing | None) -> No
     except FileNotFoundError:  # the old checkpoint was removed meanwhile: nothing to replace
         _move_into_place(staging, out, None)
         return
-    if _identity(replaced) != existing.identity:
-        try:
-            os.rename(replaced, out)
-        except OSError:
-            raise ConversionError(
-                f"OUT {out} was replaced by another folder while converting; that folder is now in {replaced}, "
-                "and the converted checkpoint was not kept."
-            ) from None
-        raise _appeared(out)
     try:
-        os.rename(staging, out)
-    except BaseException:
-        os.rename(replaced, out)
+        checked = _identity(replaced) == existing.identity
+        if checked:
+            os.rename(staging, out)
+    except BaseException:  # an error or Ctrl-C between the two renames: the old checkpoint goes back
+        _put_back(replaced, out)
         raise
+    if not checked:  # what was set aside is not the folder checked at the start
+        _put_back(replaced, out)
+        raise _appeared(out)
     shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _put_back(replaced: Path, out: Path) -> None:
+    """Rename ``replaced`` back to ``out``; if that fails (OUT taken meanwhile), say where it is."""
+    try:
+        os.rename(replaced, out)
+    except OSError:
+        logger.warning("%s could not be renamed back to %s; it is kept where it is", replaced, out)
 
 
 def _appeared(out: Path) -> ConversionError:

@@ -13,11 +13,14 @@ A conversion passes when both criteria hold:
    The source model's own float32 error against float64 is the same size (0.5e-6 to 1.2e-6 on these models), so
    this is the rounding floor of a float32 forward, not a conversion error. It grows roughly with the square root of
    depth x width, so ``rtol = 1e-4`` (float32 and float64) leaves a margin of 30 at 16 x 384 and about 3 for an
-   80-layer, 8192-wide model, while a wrong, missing or mis-cast tensor moves the logits by 1e-3 of their scale or
-   (usually far) more. In bfloat16 ``rtol = 0.1``, in float16 ``0.02``: half precision rounds the mHC streams
-   differently from the residual model, so both drift from the float32 function by about the same amount. Measured
-   on the real stories260K Llama (5 layers): mHC vs source 1.4% (bf16) and 0.19% (fp16) of the logit scale, the
-   source itself vs float32 1.5% and 0.3%; the thresholds leave room for models of ~50 layers and more.
+   80-layer, 8192-wide model. A conversion error is far larger: one layer's post bias off by 0.01 moves the logits by
+   6e-4 of their scale (4 x 128 Llama), a wrong HC initialisation or a missing or swapped tensor by a sizeable
+   fraction of it. (A single tensor rounded to bfloat16 moves them by only 6e-6 to 3e-3 of the scale, so dtypes are
+   not judged by the logits: every floating backbone tensor is written in the one ``--dtype``, or as stored.)
+   In bfloat16 ``rtol = 0.1``, in float16 ``0.02``: half precision rounds the mHC streams differently from the
+   residual model, so both drift from the float32 function by about the same amount. Measured on the real
+   stories260K Llama (5 layers): mHC vs source 1.4% (bf16) and 0.19% (fp16) of the logit scale, the source itself
+   vs float32 1.5% and 0.3%; the thresholds leave room for models of ~50 layers and more.
 2. In float32 and float64, greedy decoding of :data:`GREEDY_TOKENS` tokens from every prompt gives the same tokens.
    A difference of 1e-4 of the logit scale flips a greedy choice only at a near-exact tie. In half precision greedy
    decoding is reported, not enforced: a near-tie can flip a token (stories260K in bfloat16 diverges at the 4th

@@ -240,6 +240,24 @@ def test_a_kill_between_the_renames_of_overwrite_loses_nothing(tmp_path, capsys,
     assert folder_digest(out) == old and not leftovers(tmp_path)  # also the dead run's lock and staging folder
 
 
+def test_ctrl_c_between_the_renames_of_overwrite_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
+    save_source(tmp_path / "src", "qwen2")
+    out = tmp_path / "out"
+    save_source(out, "llama")
+    old = folder_digest(out)
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if Path(dst) == out and convert_module.STAGING_MARKER in Path(src).name:
+            raise KeyboardInterrupt  # after the old checkpoint was set aside, before the new one moves in
+        real_rename(src, dst)
+
+    monkeypatch.setattr(convert_module.os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        convert_checkpoint(tmp_path / "src", out, overwrite=True, verify=False, progress=False)
+    assert folder_digest(out) == old and not leftovers(tmp_path)
+
+
 def test_an_old_checkpoint_set_aside_beside_an_existing_out_is_kept_and_named(tmp_path, capsys):
     save_source(tmp_path / "src", "llama")
     out = tmp_path / "out"
