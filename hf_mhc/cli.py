@@ -67,7 +67,11 @@ def _setup_convert(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", choices=list(DTYPES), help="cast the backbone weights (HC weights stay float32); default: keep"
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an OUT that holds a checkpoint (config.json and weights) once the new one is complete",
+    )
     parser.add_argument(
         "--no-verify", dest="verify", action="store_false", help="skip comparing logits and greedy decoding"
     )
