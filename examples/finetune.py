@@ -17,15 +17,26 @@ Every --stability-every steps the mHC stability report (hf_mhc.diagnostics) is l
 composite forward / backward gain of the residual mixing, how far comb is from doubly stochastic, how alike the
 streams are, and the pre / post ranges, as mhc/* scalars for TensorBoard or W&B (--report-to).
 
-Output (--output-dir): the fine-tuned model and tokenizer; with --lora the adapter instead (it carries the HC maps,
-trained in full; load it with peft.AutoPeftModelForCausalLM), plus upcycled_base/ when the base was upcycled here
-and merged/ with --merge-lora.
+Output (--output-dir, which must be new or empty): the fine-tuned model and tokenizer; with --lora the adapter instead
+(it carries the HC maps, trained in full; load it with peft.AutoPeftModelForCausalLM), plus upcycled_base/ when the
+base was upcycled here (the adapter names it as its base) and merged/ with --merge-lora. Every --save-steps steps a
+Trainer checkpoint goes to OUTPUT_DIR/checkpoint-STEP (the last --save-total-limit are kept): after a crash, run the
+same command with --resume to continue from the last one.
+
+--overwrite reuses the folder of an earlier run: before training it deletes that run's model, adapter and tokenizer
+files, its PEFT model card, merged/, upcycled_base/ and checkpoint-*/ (so that no stale adapter_config.json or weight
+shard can mix into the new result), lists what it deleted, and keeps every other file. It refuses a folder that holds
+no model, adapter or Trainer output, and the working directory or the home folder.
+
+Bad input (a missing path, unusable dataset files or texts, an unwritable or non-empty --output-dir, a --report-to
+integration that is not installed, ...) stops before any training with one "finetune.py: error: ..." line.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import math
 import os
 import sys
@@ -33,7 +44,7 @@ from itertools import chain
 from pathlib import Path
 
 import torch
-from datasets import Dataset, load_dataset
+from datasets import Dataset, Value, load_dataset
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -41,9 +52,12 @@ from transformers import (
     Trainer,
     TrainingArguments,
     default_data_collator,
+    set_seed,
 )
+from transformers.trainer_utils import get_last_checkpoint
 
 import hf_mhc
+from hf_mhc.cli import first_line, folder_error, looks_like_local_path, output_path_error
 from hf_mhc.diagnostics import MHCStabilityCallback
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
@@ -58,6 +72,29 @@ CHECKPOINTING_FIELD = next(
 )
 LOCAL_BUILDERS = {".txt": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".csv": "csv",
                   ".parquet": "parquet"}
+# What an earlier run (save_pretrained, PEFT, the tokenizer, Trainer checkpoints) wrote: --overwrite deletes these
+# names, and only these, so that none of them can leak into the new result (e.g. a stale adapter_config.json, which
+# transformers applies to the full model saved beside it).
+OUTPUT_FILE_PATTERNS = (
+    "config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+    "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json",
+    "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "training_args.bin",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
+    "trainer_state.json", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth",
+)
+OUTPUT_SUBFOLDERS = ("merged", "upcycled_base")  # and checkpoint-STEP
+
+
+def mhc_code_files() -> set[str]:
+    """The ``.py`` files that saving an mHC model copies beside it (its remote code): a new save writes them again."""
+    import inspect
+
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    modules = {inspect.getfile(hf_mhc.MHCForCausalLM), inspect.getfile(hf_mhc.MHCConfig)}
+    return {Path(file).name for module in modules for file in (module, *get_relative_import_files(module))}
+
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -85,7 +122,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     train.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast, float32 master weights)")
     train.add_argument("--gradient-checkpointing", action="store_true")
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--output-dir", default="outputs/finetune", help="where the model or adapter is saved")
+    train.add_argument("--output-dir", default="outputs/finetune",
+                       help="new or empty folder for the model or adapter (default outputs/finetune)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="reuse the --output-dir of an earlier run: delete its results first (see above)")
+    train.add_argument("--save-steps", type=int, default=50,
+                       help="save a Trainer checkpoint every N steps to OUTPUT_DIR/checkpoint-N (default 50; 0: none)")
+    train.add_argument("--save-total-limit", type=int, default=2, help="checkpoints to keep (default 2)")
+    train.add_argument("--resume", nargs="?", const="last", default=None, metavar="CHECKPOINT",
+                       help="continue from the last checkpoint in --output-dir, or from CHECKPOINT")
     train.add_argument("--logging-steps", type=int, default=10, help="log the loss every N steps (default 10)")
     train.add_argument("--report-to", default="none", help="Trainer integrations: none, tensorboard, wandb, ...")
     lora = parser.add_argument_group("LoRA (hf_mhc.peft.mhc_lora_config: backbone projections + full HC maps)")
@@ -104,7 +149,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         if not STORIES260K.is_dir():
             parser.error("--model is required (the default ../shared/assets/stories260K is not present)")
         args.model, args.upcycle = str(STORIES260K), True
-    positive = ("steps", "batch_size", "grad_accum", "block_size", "logging_steps", "lora_r", "lora_alpha")
+    positive = ("steps", "batch_size", "grad_accum", "block_size", "logging_steps", "lora_r", "lora_alpha",
+                "save_total_limit")
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -116,8 +162,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         parser.error("--merge-lora needs --lora")
     if args.stability_every is None:
         args.stability_every = args.logging_steps
-    if args.stability_every < 0:
-        parser.error(f"--stability-every must be >= 0, got {args.stability_every}")
+    if args.stability_every < 0 or args.save_steps < 0:
+        parser.error("--stability-every and --save-steps must be >= 0")
+    if args.resume is not None and args.overwrite:
+        parser.error("--resume continues the run in --output-dir, --overwrite replaces it: choose one")
+    args.report_to = [name.strip() for name in args.report_to.split(",") if name.strip() not in ("", "none")]
     if args.lr is None:
         args.lr = 2e-3 if args.lora else 5e-4
     if args.warmup_steps is None:
@@ -125,25 +174,178 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     return parser, args
 
 
+def check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Path:
+    """Refuse unusable --model, --tokenizer and --output-dir before any work; return the output folder."""
+    for option in ("model", "tokenizer"):
+        name = getattr(args, option)
+        missing = None if name is None else folder_error(name)
+        if missing is not None:
+            parser.error(f"--{option}: {missing}")
+    model_dir = Path(args.model).expanduser()
+    if (model_dir / "adapter_config.json").is_file():
+        if (model_dir / "config.json").is_file():
+            parser.error(f"--model {args.model} holds a PEFT adapter (adapter_config.json) beside the model, which "
+                         "transformers would apply on load: move the adapter files to their own folder")
+        parser.error(f"--model {args.model} is a PEFT adapter, not a model: pass its base model, or the merged model "
+                     "(--merge-lora writes OUTPUT_DIR/merged)")
+
+    out = Path(args.output_dir).expanduser()
+    unusable = output_path_error(args.output_dir, folder=True)
+    if unusable is not None:
+        parser.error(f"--output-dir {args.output_dir}: {unusable}")
+    resolved = out.resolve()
+    for option in ("model", "tokenizer"):
+        source = Path(getattr(args, option) or args.model).expanduser()
+        if not source.is_dir():
+            continue
+        if source.resolve() == resolved:
+            what = "the adapter would be saved into the model it is trained on" if args.lora else (
+                "the result would replace the model being trained")
+            parser.error(f"--output-dir is the --{option} folder {source}: {what}; choose another --output-dir")
+        if (args.overwrite or args.resume is not None) and resolved in source.resolve().parents:
+            parser.error(f"--{option} {source} is inside --output-dir, whose earlier results this run replaces")
+    if args.resume is not None and out.is_dir() and any(out.iterdir()) and not looks_like_earlier_output(out):
+        parser.error(f"--resume: --output-dir {args.output_dir} holds no earlier run; choose its own --output-dir")
+    if args.resume is None and out.is_dir() and any(out.iterdir()):
+        if not args.overwrite:
+            parser.error(f"--output-dir {args.output_dir} is not empty: pass --overwrite to replace the earlier run "
+                         "in it (--resume to continue it), or choose a new folder")
+        if resolved in (Path.cwd().resolve(), Path.home().resolve()) or resolved == resolved.parent:
+            parser.error(f"--overwrite will not clear {resolved} (the working directory, home or root folder)")
+        if not looks_like_earlier_output(out):
+            parser.error(f"--overwrite: {args.output_dir} holds no model, adapter or Trainer checkpoint, so it is not "
+                         "the output of an earlier run; refusing to delete anything in it")
+    return out
+
+
+def is_checkpoint_folder(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and path.name.startswith("checkpoint-") and (
+        path.name.removeprefix("checkpoint-").isdigit())
+
+
+def is_peft_model_card(path: Path) -> bool:
+    """The README.md that PEFT writes beside an adapter (front matter with ``library_name: peft``)."""
+    try:
+        head = path.read_text(encoding="utf-8", errors="replace")[:4096]
+    except OSError:
+        return False
+    return head.startswith("---") and "library_name: peft" in head.split("\n---", 1)[0]
+
+
+def looks_like_earlier_output(folder: Path) -> bool:
+    """Whether ``folder`` holds what a fine-tuning run writes: a model, an adapter, a Trainer checkpoint."""
+    def json_has(name: str, key: str) -> bool:
+        try:
+            return key in json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError, TypeError):
+            return False
+
+    return ((folder / "training_args.bin").is_file() or json_has("config.json", "model_type")
+            or json_has("adapter_config.json", "peft_type")
+            or any(is_checkpoint_folder(entry) and (entry / "trainer_state.json").is_file()
+                   for entry in folder.iterdir()))
+
+
+def clear_earlier_output(folder: Path, *, checkpoints: bool, subfolders: tuple[str, ...] = OUTPUT_SUBFOLDERS
+                         ) -> tuple[list[str], list[str]]:
+    """Delete the files an earlier run wrote to ``folder`` (:data:`OUTPUT_FILE_PATTERNS`, the mHC remote-code files
+    and PEFT's model card, there
+    and in ``subfolders`` and, with ``checkpoints``, in ``checkpoint-*``; a subfolder emptied so goes too). Every other
+    file stays. Returns the deleted and the kept names (relative to ``folder``; a deleted subfolder as ``name/``)."""
+    removed: list[str] = []
+    kept: list[str] = []
+    code_files = mhc_code_files()
+
+    def clear(directory: Path, prefix: str) -> bool:
+        everything = True
+        for entry in sorted(directory.iterdir()):
+            name = prefix + entry.name
+            if entry.is_dir() and not entry.is_symlink():
+                if prefix or not (entry.name in subfolders or (checkpoints and is_checkpoint_folder(entry))):
+                    kept.append(name + "/")
+                    everything = False
+                    continue
+                before = len(removed)
+                if clear(entry, name + "/"):
+                    entry.rmdir()
+                    removed[before:] = [name + "/"]
+                else:
+                    everything = False
+            elif any(entry.match(pattern) for pattern in OUTPUT_FILE_PATTERNS) or entry.name in code_files or (
+                entry.name == "README.md" and is_peft_model_card(entry)):
+                entry.unlink()
+                removed.append(name)
+            else:
+                kept.append(name)
+                everything = False
+        return everything
+
+    clear(folder, "")
+    return removed, kept
+
+
+def resume_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace, out: Path) -> str | None:
+    """The Trainer checkpoint --resume names (``None`` without --resume), checked to fit this run."""
+    if args.resume is None:
+        return None
+    if args.resume == "last":
+        last = get_last_checkpoint(str(out)) if out.is_dir() else None
+        if last is None:
+            parser.error(f"--resume: no checkpoint-* in --output-dir {args.output_dir} to continue from")
+        checkpoint = Path(last)
+    else:
+        checkpoint = Path(args.resume).expanduser()
+        if not (checkpoint / "trainer_state.json").is_file():
+            parser.error(f"--resume {args.resume}: not a Trainer checkpoint folder (no trainer_state.json)")
+    is_adapter = (checkpoint / "adapter_config.json").is_file()
+    if is_adapter != args.lora:
+        parser.error(f"--resume {checkpoint} holds {'a LoRA adapter' if is_adapter else 'a full model'}: "
+                     f"{'add' if is_adapter else 'drop'} --lora")
+    return str(checkpoint)
+
+
+def check_report_to(parser: argparse.ArgumentParser, names: list[str]) -> None:
+    """Refuse a --report-to integration that transformers does not know or that is not installed."""
+    from transformers.integrations.integration_utils import (
+        INTEGRATION_TO_CALLBACK,
+        get_available_reporting_integrations,
+    )
+
+    installed = set(get_available_reporting_integrations())
+    for name in names:
+        if name == "all":
+            continue
+        if name not in INTEGRATION_TO_CALLBACK:
+            parser.error(f"--report-to {name}: unknown integration; choose from none, all, "
+                         f"{', '.join(INTEGRATION_TO_CALLBACK)}")
+        if name not in installed:
+            package = {"azure_ml": "azureml-core", "comet_ml": "comet-ml"}.get(name, name)
+            parser.error(f"--report-to {name}: {name} is not installed (pip install {package})")
+
+
 def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> hf_mhc.MHCForCausalLM:
     """The mHC model to train: loaded, or upcycled from a residual checkpoint with --upcycle (float32 weights)."""
     try:
         model_type = AutoConfig.from_pretrained(args.model).model_type
     except (OSError, ValueError) as exc:
-        parser.error(f"cannot load --model {args.model}: {str(exc).strip().splitlines()[0]}")
+        parser.error(f"cannot load --model {args.model}: {first_line(exc)}")
     if model_type == "mhc":
         if args.upcycle:
             parser.error(f"{args.model} is already an mHC checkpoint: drop --upcycle")
-        return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    if not args.upcycle:
-        parser.error(f"{args.model} is a residual {model_type!r} model: add --upcycle to convert it to mHC")
-    if model_type not in hf_mhc.SUPPORTED_BACKBONES:
-        parser.error(f"cannot upcycle a {model_type!r} model; supported: {', '.join(hf_mhc.SUPPORTED_BACKBONES)}")
-    source = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    try:
-        return hf_mhc.upcycle(source, hc_mult=4 if args.hc_mult is None else args.hc_mult)
-    except ValueError as exc:
-        parser.error(f"cannot upcycle {args.model}: {str(exc).strip().splitlines()[0]}")
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    else:
+        if not args.upcycle:
+            parser.error(f"{args.model} is a residual {model_type!r} model: add --upcycle to convert it to mHC")
+        if model_type not in hf_mhc.SUPPORTED_BACKBONES:
+            parser.error(f"cannot upcycle a {model_type!r} model; supported: {', '.join(hf_mhc.SUPPORTED_BACKBONES)}")
+        source = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        try:
+            model = hf_mhc.upcycle(source, hc_mult=4 if args.hc_mult is None else args.hc_mult)
+        except ValueError as exc:
+            parser.error(f"cannot upcycle {args.model}: {first_line(exc)}")
+    if getattr(model, "_hf_peft_config_loaded", False):  # transformers applied an adapter it found with the model
+        parser.error(f"--model {args.model} came with a PEFT adapter: pass its base model or a merged one")
+    return model
 
 
 def pydoc_texts() -> Dataset:
@@ -154,44 +356,104 @@ def pydoc_texts() -> Dataset:
     return Dataset.from_dict({"text": [paragraph for paragraph in paragraphs if paragraph]})
 
 
+def json_error(path: str) -> str | None:
+    """Why ``path`` is not JSON that the ``json`` dataset builder reads (one document, or one per line), else None."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    try:
+        json.loads(text)
+        return None
+    except json.JSONDecodeError as whole_file_error:
+        if text.lstrip().startswith("["):
+            return f"line {whole_file_error.lineno}: {whole_file_error.msg}"
+    for number, line in enumerate(text.splitlines(), 1):  # JSON lines
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as error:
+                return f"line {number}: {error.msg}"
+    return None
+
+
+def innermost_message(error: BaseException) -> str:
+    """The first line of the innermost cause of ``error`` (datasets wraps the parser's own message)."""
+    while (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
+    return first_line(error)
+
+
+def local_dataset_files(parser: argparse.ArgumentParser, spec: str) -> list[str] | None:
+    """The files --dataset names (a file, a glob, or a folder of them); ``None`` when it is a Hub dataset id."""
+    expanded = os.path.expanduser(spec)
+    if os.path.isdir(expanded):
+        files = sorted(str(path) for path in Path(expanded).iterdir() if path.suffix.lower() in LOCAL_BUILDERS)
+        if not files:
+            parser.error(f"--dataset {spec}: no {' / '.join(LOCAL_BUILDERS)} files in this folder")
+    else:
+        files = sorted(path for path in glob.glob(expanded) if os.path.isfile(path))
+    if not files:
+        if glob.has_magic(spec):
+            parser.error(f"--dataset {spec}: no file matches")
+        if Path(spec).suffix.lower() in LOCAL_BUILDERS or looks_like_local_path(spec):
+            parser.error(f"--dataset {spec}: no such file or folder")
+        return None
+    suffixes = {Path(file).suffix.lower() for file in files}
+    builders = {LOCAL_BUILDERS.get(suffix) for suffix in suffixes}
+    if len(builders) != 1 or None in builders:
+        parser.error(f"--dataset {spec}: files must share one of {', '.join(LOCAL_BUILDERS)}; got {sorted(suffixes)}")
+    empty = [file for file in files if os.path.getsize(file) == 0]
+    if empty:
+        parser.error(f"--dataset {spec}: empty file{'s' if len(empty) > 1 else ''} {', '.join(empty)}")
+    if builders == {"json"}:
+        for file in files:
+            error = json_error(file)
+            if error is not None:
+                parser.error(f"--dataset {file}: invalid JSON, {error}")
+    return files
+
+
 def load_texts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Dataset, str]:
-    """The raw text dataset and a description of it."""
+    """The raw text dataset and a description of it; its --text-column checked to hold strings."""
     spec = args.dataset
     if spec is None:
         if JANEAUSTEN.is_dir():
             spec = str(JANEAUSTEN / "*.txt")
         else:
             return pydoc_texts(), "Python's pydoc_data help texts"
-    files = sorted(glob.glob(os.path.expanduser(spec)))
+    files = local_dataset_files(parser, spec)
     try:
-        if files:
-            suffixes = {Path(file).suffix.lower() for file in files}
-            builders = {LOCAL_BUILDERS.get(suffix) for suffix in suffixes}
-            if len(builders) != 1 or None in builders:
-                parser.error(f"--dataset {spec}: files must share one of {', '.join(LOCAL_BUILDERS)}; got {suffixes}")
-            builder = builders.pop()
+        if files is not None:
+            builder = LOCAL_BUILDERS[Path(files[0]).suffix.lower()]
             options = {"sample_by": "paragraph"} if builder == "text" else {}
             dataset = load_dataset(builder, data_files=files, split="train", **options)
             description = f"{len(files)} local file(s) matching {spec}"
-        elif glob.has_magic(spec) or Path(spec).suffix.lower() in LOCAL_BUILDERS:
-            parser.error(f"--dataset {spec}: no such file")
         else:
             dataset = load_dataset(spec, args.dataset_config, split=args.split)
             description = f"{spec} ({args.dataset_config or 'default'} / {args.split})"
-    except (OSError, ValueError, ConnectionError) as exc:
-        parser.error(f"cannot load --dataset {spec}: {str(exc).strip().splitlines()[0]}")
+    except Exception as exc:  # datasets raises many kinds of errors; each means bad input here
+        parser.error(f"cannot load --dataset {spec}: {innermost_message(exc)}")
     if args.text_column not in dataset.column_names:
         parser.error(f"--dataset has no column {args.text_column!r} (columns: {', '.join(dataset.column_names)}); "
                      "pass --text-column")
+    feature = dataset.features[args.text_column]
+    if not (isinstance(feature, Value) and feature.dtype in ("string", "large_string")):
+        parser.error(f"--dataset column {args.text_column!r} holds {feature}, not text: pass --text-column with a "
+                     "column of strings")
+    if len(dataset) == 0:
+        parser.error(f"--dataset {spec}: no texts")
     return dataset, description
 
 
 def token_blocks(texts: Dataset, tokenizer, text_column: str, block_size: int) -> Dataset:
-    """Tokenise every text, append EOS, join them and cut ``block_size`` blocks: rows of input_ids and labels."""
+    """Tokenise every text, append EOS, join them and cut ``block_size`` blocks: rows of input_ids and labels.
+
+    Missing (null) and empty texts are skipped."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
     def tokenize(batch: dict) -> dict:
-        ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
+        ids = tokenizer([text for text in batch[text_column] if text], add_special_tokens=False)["input_ids"]
         return {"input_ids": [text_ids + eos for text_ids in ids]}
 
     def group(batch: dict) -> dict:
@@ -206,18 +468,20 @@ def token_blocks(texts: Dataset, tokenizer, text_column: str, block_size: int) -
 
 def main(argv: list[str] | None = None) -> int:
     parser, args = parse_args(argv)
+    out = check_paths(parser, args)
+    checkpoint = resume_checkpoint(parser, args, out)
+    check_report_to(parser, args.report_to)
     model = load_model(parser, args)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     except (OSError, ValueError) as exc:
-        parser.error(f"no tokenizer for {args.tokenizer or args.model} ({str(exc).strip().splitlines()[0]}); "
-                     "pass --tokenizer")
+        parser.error(f"no tokenizer for {args.tokenizer or args.model} ({first_line(exc)}); pass --tokenizer")
     max_positions = model.config.backbone_config.max_position_embeddings
     if args.block_size > max_positions:
         parser.error(f"--block-size {args.block_size} exceeds the model's {max_positions} positions")
 
     training_args = TrainingArguments(
-        output_dir=args.output_dir,
+        output_dir=str(out),
         max_steps=args.steps,
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size,
@@ -229,7 +493,9 @@ def main(argv: list[str] | None = None) -> int:
         bf16=args.bf16,
         **{CHECKPOINTING_FIELD: args.gradient_checkpointing},
         logging_steps=args.logging_steps,
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        save_total_limit=args.save_total_limit,
         report_to=args.report_to,
         seed=args.seed,
         disable_tqdm=True,
@@ -247,20 +513,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_train_blocks is not None:
         train_set = train_set.select(range(min(args.max_train_blocks, len(train_set))))
 
+    main_process = training_args.process_index == 0
+    if args.overwrite and main_process and out.is_dir():
+        removed, kept = clear_earlier_output(out, checkpoints=True)
+        print(f"--overwrite: deleted the earlier run's {', '.join(removed) or 'nothing'} from {out}"
+              f"{f'; kept {len(kept)} other file(s): ' + ', '.join(kept[:8]) if kept else ''}")
     if args.lora:
         from peft import get_peft_model
 
-        from hf_mhc.peft import mhc_lora_config
+        from hf_mhc.peft import mhc_lora_config, save_adapter_base
 
         if args.upcycle:
             # The adapter applies to the upcycled model, which exists nowhere else: save it and name it as the base,
             # so that AutoPeftModelForCausalLM.from_pretrained(OUTPUT_DIR) finds it.
-            base_dir = (Path(args.output_dir) / "upcycled_base").resolve()
-            if training_args.process_index == 0:
-                model.save_pretrained(base_dir)
-                tokenizer.save_pretrained(base_dir)
-            model.name_or_path = str(base_dir)
+            with training_args.main_process_first(desc="save the upcycled base", local=False):
+                if main_process:
+                    save_adapter_base(model, out / "upcycled_base", tokenizer)
+            model.name_or_path = str((out / "upcycled_base").absolute())
+        elif Path(args.model).expanduser().is_dir():
+            model.name_or_path = str(Path(args.model).expanduser().absolute())  # found from any working directory
         lora_config = mhc_lora_config(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
+        set_seed(args.seed)  # the LoRA A matrices are random: the same --seed gives the same run
         model = get_peft_model(model, lora_config)
     trainer = Trainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
                       data_collator=default_data_collator)
@@ -282,17 +555,23 @@ def main(argv: list[str] | None = None) -> int:
               f"parameters, {n_trainable:,} trainable{' (LoRA + HC maps)' if args.lora else ''}")
         print(f"data: {corpus}: {len(train_set)} training blocks of {args.block_size} tokens"
               f"{f', {len(eval_set)} held out' if eval_set is not None else ''}")
+        if checkpoint is not None:
+            print(f"resuming from {checkpoint}")
     eval_before = trainer.evaluate()["eval_loss"] if eval_set is not None else None
-    trainer.train()
+    trainer.train(resume_from_checkpoint=checkpoint)
     eval_after = trainer.evaluate()["eval_loss"] if eval_set is not None else None
 
-    trainer.save_model(args.output_dir)
+    if checkpoint is not None and main_process:  # a finished earlier attempt's result must not mix into this one
+        clear_earlier_output(out, checkpoints=False, subfolders=("merged",))
+    # A LoRA model saves through PeftModel.save_pretrained (PEFT's own format: any PEFT version works), never through
+    # transformers' built-in adapter API, which needs PEFT >= 0.22.
+    trainer.save_model(str(out))
     if main_process:
-        tokenizer.save_pretrained(args.output_dir)
+        tokenizer.save_pretrained(out)
     if args.merge_lora and main_process:
         merged = model.merge_and_unload()
-        merged.save_pretrained(Path(args.output_dir) / "merged")
-        tokenizer.save_pretrained(Path(args.output_dir) / "merged")
+        merged.save_pretrained(out / "merged")
+        tokenizer.save_pretrained(out / "merged")
     if main_process:
         if eval_before is not None:
             print(f"held-out loss {eval_before:.4f} -> {eval_after:.4f} "
@@ -305,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         saved = "model"
         if args.lora:
             saved = "LoRA adapter (with the HC maps; load it with peft.AutoPeftModelForCausalLM)"
-        merged_note = f"; merged model to {Path(args.output_dir) / 'merged'}" if args.merge_lora else ""
+        merged_note = f"; merged model to {out / 'merged'}" if args.merge_lora else ""
         print(f"saved the {saved} and tokenizer to {args.output_dir}{merged_note}")
     return 0
 

@@ -7,18 +7,23 @@ Default model: ``../shared/assets/stories260K`` (a real pretrained Llama) when t
 Llama trained here on the spot on Python's own help texts (``pydoc_data``), with a byte-level BPE tokenizer trained
 on the same texts. Fine-tuning text: Jane Austen's novels from ``../shared/assets/janeausten`` when present, the
 ``pydoc_data`` texts otherwise. Runs in a few minutes at most on 2 CPU cores.
+
+Bad input (a missing --model folder, a model that cannot be upcycled, ...) stops with one
+"quickstart.py: error: ..." line and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
 from datasets import Dataset
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
@@ -30,6 +35,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 import hf_mhc
+from hf_mhc.cli import first_line, folder_error, output_path_error
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 STORIES260K = ASSETS / "stories260K"
@@ -92,7 +98,24 @@ def mean_loss(model, blocks: torch.Tensor) -> float:
     return sum(model(b[None], labels=b[None]).loss.item() for b in blocks) / len(blocks)
 
 
-def main() -> None:
+def load_source(parser: argparse.ArgumentParser, name: str):
+    """The residual model and tokenizer of ``--model`` (a folder or Hub id); bad input ends with ``parser.error``."""
+    missing = folder_error(name)
+    if missing is not None:
+        parser.error(f"--model: {missing}")
+    try:
+        model_type = AutoConfig.from_pretrained(name).model_type
+        if model_type not in hf_mhc.SUPPORTED_BACKBONES:
+            parser.error(f"--model {name} is a {model_type!r} model; quickstart upcycles a residual "
+                         f"{' / '.join(hf_mhc.SUPPORTED_BACKBONES)} model")
+        source = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        parser.error(f"cannot load --model {name}: {first_line(exc)}")
+    return source, tokenizer
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="residual causal LM folder or Hub id (default: see above)")
     parser.add_argument("--hc-mult", type=int, default=4, help="number of residual streams n (default 4)")
@@ -100,15 +123,20 @@ def main() -> None:
     parser.add_argument("--pretrain-steps", type=int, default=300, help="steps for the on-the-spot default model")
     parser.add_argument("--output-dir", default="outputs/quickstart", help="where the mHC model is saved")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for name in ("steps", "pretrain_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    unusable = output_path_error(args.output_dir, folder=True)
+    if unusable is not None:
+        parser.error(f"--output-dir {args.output_dir}: {unusable}")
     hf_logging.set_verbosity_error()
     started = time.perf_counter()
     torch.manual_seed(args.seed)
 
     print("1. Source residual model")
     if args.model:
-        source = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-        tokenizer, source_name = AutoTokenizer.from_pretrained(args.model), args.model
+        (source, tokenizer), source_name = load_source(parser, args.model), args.model
     elif STORIES260K.is_dir():
         source = AutoModelForCausalLM.from_pretrained(STORIES260K).eval()
         tokenizer, source_name = AutoTokenizer.from_pretrained(STORIES260K), "stories260K (real pretrained Llama)"
@@ -120,7 +148,10 @@ def main() -> None:
     print(f"  {source_name}: {source.config.model_type}, {n_params:,} parameters")
 
     print(f"2. Upcycle to mHC with hc_mult={args.hc_mult}")
-    model = hf_mhc.upcycle(source, hc_mult=args.hc_mult).eval()
+    try:
+        model = hf_mhc.upcycle(source, hc_mult=args.hc_mult).eval()
+    except ValueError as exc:
+        parser.error(f"cannot upcycle {source_name}: {first_line(exc)}")
     text, corpus_name = finetune_corpus()
     blocks = token_blocks(tokenizer, text, 128, 160)
     train_blocks, eval_blocks = blocks[:-16], blocks[-16:]
@@ -169,4 +200,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

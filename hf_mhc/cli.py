@@ -3,7 +3,12 @@
 Each subcommand is a :class:`Subcommand` in :data:`SUBCOMMANDS`: its help line and a ``setup`` function that adds
 its arguments and a ``run`` handler returning the exit status. Only the chosen subcommand is set up, so ``convert``
 does not pay for ``inspect``'s imports. Bad input ends with one ``hf-mhc <command>: error: ...`` line on stderr and
-status 1; an interrupted conversion (Ctrl-C, SIGTERM) with status 130.
+status 1 (2 for arguments argparse rejects), never with a traceback; an interrupted command (Ctrl-C, SIGTERM during a
+conversion) with status 130.
+
+:func:`looks_like_local_path`, :func:`folder_error` and :func:`output_path_error` are the checks every entry point
+(``hf-mhc``, ``examples/quickstart.py``, ``examples/finetune.py``) runs on its paths before it does any work, so that a
+missing folder reads "no such folder: ..." rather than a Hub repo-id or connection error.
 """
 
 from __future__ import annotations
@@ -11,11 +16,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import __version__
 from .conversion import ConversionError, ConversionReport, convert_checkpoint
@@ -52,7 +60,71 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((arg for arg in argv if not arg.startswith("-")), "")  # the first positional argument
     args = build_parser(command).parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print(f"hf-mhc {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (OSError, ValueError, ImportError) as error:  # bad input or environment: one line, no traceback
+        return _fail(args.command, first_line(error))
+
+
+def first_line(error: BaseException) -> str:
+    """The first non-empty line of ``error``'s message (its type name when it has none)."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[0].strip() if lines else type(error).__name__
+
+
+def looks_like_local_path(name: str) -> bool:
+    """Whether ``name`` means a local path rather than a Hugging Face Hub repo id (``name`` or ``org/name``).
+
+    True when it exists, is empty, starts with ``.``, ``/`` or ``~``, has more than one ``/`` (or a ``\\``), or when
+    its first component exists here (``outputs/mergd`` with a folder ``outputs``).
+    """
+    if not name.strip() or name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name:
+        return True
+    return os.path.lexists(os.path.expanduser(name)) or ("/" in name and os.path.lexists(name.split("/")[0]))
+
+
+def folder_error(name: str) -> str | None:
+    """``"no such folder: NAME"`` (or ``"not a folder: NAME"``) when ``name`` looks like a local path
+    (:func:`looks_like_local_path`) and is no folder; ``None`` otherwise (a folder, or a Hub repo id)."""
+    if not looks_like_local_path(name):
+        return None
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return None
+    return f"not a folder: {name}" if path.exists() else f"no such folder: {name}"
+
+
+def output_path_error(name: str, *, folder: bool) -> str | None:
+    """A one-line reason why ``name`` cannot be written (``None`` when it can), checked without creating it.
+
+    ``folder=True``: a folder to create or write into; ``folder=False``: a file to create or replace (its folder is
+    created as needed). Fails on an empty name, a file where a folder is needed (or the reverse), and when the
+    nearest existing folder above it refuses a probe file.
+    """
+    if not name.strip():
+        return "empty path"
+    path = Path(name).expanduser().absolute()
+    if path.exists():
+        if folder and not path.is_dir():
+            return f"{name} is a file, not a folder"
+        if not folder and path.is_dir():
+            return f"{name} is a folder, not a file"
+    existing = path if folder else path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"cannot create {name}: {existing} is a file"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        return f"cannot write to {existing}: {error.strerror or first_line(error)}"
+    if not folder and path.exists() and not os.access(path, os.W_OK):
+        return f"cannot write to {name}: permission denied"
+    return None
 
 
 def _setup_convert(parser: argparse.ArgumentParser) -> None:
@@ -172,4 +244,13 @@ def _sigterm_raises_keyboard_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-__all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "main"]
+__all__ = [
+    "SUBCOMMANDS",
+    "Subcommand",
+    "build_parser",
+    "first_line",
+    "folder_error",
+    "looks_like_local_path",
+    "main",
+    "output_path_error",
+]

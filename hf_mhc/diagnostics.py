@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -190,7 +191,8 @@ def stability_report(
           ``"pre_stream_mean"`` / ``"post_stream_mean"`` (``n`` lists). Gains are those of the map as applied,
           ``M = comb^T`` (per token; ``_max`` / ``_mean`` over tokens); ``cumulative_*`` are the gains of the product
           ``M_s ... M_1 M_0`` of the maps from the embedding through this site; ``comb_*_sum_max_deviation`` is the
-          largest ``|sum - 1|`` over tokens of ``comb``'s rows / columns; ``stream_cosine_*`` is the mean pairwise
+          largest ``|sum - 1|`` over tokens of ``comb``'s rows / columns and ``comb_{row|col}_sum_{min|max}`` the range
+          of those sums; ``stream_cosine_*`` is the mean pairwise
           cosine similarity of the streams entering the site (mean / max over tokens; ``None`` for n = 1);
         - ``"composite"``: ``forward_gain_max``, ``forward_gain_mean``, ``backward_gain_max``, ``backward_gain_mean``
           of the product over the whole depth (float64);
@@ -236,6 +238,7 @@ def stability_report(
         applied = comb.double().transpose(-1, -2)
         cumulative = applied @ cumulative
         forward, backward = _gains(applied)
+        row_sums, col_sums = comb.double().sum(-1), comb.double().sum(-2)  # [N, n] each
         cumulative_forward, cumulative_backward = _gains(cumulative)
         layer, sublayer = _site_name(index)
         site: dict[str, Any] = {
@@ -247,8 +250,12 @@ def stability_report(
             "backward_gain_mean": backward.mean().item(),
             "cumulative_forward_gain_max": cumulative_forward.max().item(),
             "cumulative_backward_gain_max": cumulative_backward.max().item(),
-            "comb_row_sum_max_deviation": (comb.double().sum(-1) - 1).abs().max().item(),
-            "comb_col_sum_max_deviation": (comb.double().sum(-2) - 1).abs().max().item(),
+            "comb_row_sum_max_deviation": (row_sums - 1).abs().max().item(),
+            "comb_col_sum_max_deviation": (col_sums - 1).abs().max().item(),
+            "comb_row_sum_min": row_sums.min().item(),
+            "comb_row_sum_max": row_sums.max().item(),
+            "comb_col_sum_min": col_sums.min().item(),
+            "comb_col_sum_max": col_sums.max().item(),
             "stream_cosine_mean": None,
             "stream_cosine_max": None,
         }
@@ -378,17 +385,34 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """Write PNG plots of a :func:`stability_report` to ``out_dir`` (created) and return their paths.
+PLOT_MIN_HALF_SPAN = 0.05  # y-axes of values near 1 span at least 1 ± this, so float noise stays flat
 
-    ``overview.png``: gains (per site and cumulative), Sinkhorn deviations, stream similarity and the ``pre`` /
-    ``post`` ranges over depth. ``layer_{i}.png``, one per layer: the token-mean ``comb`` of its attention and FFN
-    sites as heat maps and the per-stream mean ``pre`` / ``post``. Needs ``matplotlib`` (ImportError otherwise).
+
+def _set_y_limits(axis, values: list[float], center: float | None = 1.0, half_span: float = PLOT_MIN_HALF_SPAN) -> None:
+    """Set ``axis``'s y-range to cover ``values`` plus a 5 % margin and at least ``center ± half_span`` (around the
+    values' middle when ``center`` is None): differences of 1e-6 then draw as a flat line, not as a cliff."""
+    finite = [value for value in values if value is not None and math.isfinite(value)]
+    if not finite:
+        return
+    low, high = min(finite), max(finite)
+    margin = 0.05 * (high - low)
+    middle = (low + high) / 2 if center is None else center
+    axis.set_ylim(min(low - margin, middle - half_span), max(high + margin, middle + half_span))
+
+
+def _reference_line(axis, value: float, label: str) -> None:
+    axis.axhline(value, color="0.4", linestyle="--", linewidth=1.0, label=label, zorder=1)
+
+
+def overview_figure(report: dict[str, Any]):
+    """The ``matplotlib.figure.Figure`` of ``overview.png`` (see :func:`plot_report`): four panels over the HC sites.
+
+    Gains (per site and cumulative) and ``comb``'s row / column sums have a dashed reference line at 1 (the
+    doubly stochastic value) and a y-range of at least ``1 ± PLOT_MIN_HALF_SPAN``; so has the stream similarity (1 =
+    collapsed streams). Every panel labels its y-axis.
     """
     from matplotlib.figure import Figure
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     sites = report["sites"]
     positions = list(range(len(sites)))
     labels = [f"{site['layer']}{site['sublayer'][0]}" for site in sites]
@@ -397,69 +421,104 @@ def plot_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     axes = figure.subplots(2, 2)
     figure.subplots_adjust(left=0.08, right=0.98, top=0.91, bottom=0.08, hspace=0.4, wspace=0.3)
     gains = axes[0, 0]
-    for key, label in (
+    gain_keys = (
         ("forward_gain_max", "site forward"),
         ("backward_gain_max", "site backward"),
         ("cumulative_forward_gain_max", "cumulative forward"),
         ("cumulative_backward_gain_max", "cumulative backward"),
-    ):
+    )
+    for key, label in gain_keys:
         gains.plot(positions, [site[key] for site in sites], marker="o", label=label)
-    gains.ticklabel_format(axis="y", useOffset=False)
-    gains.set_title("gain (max over tokens)")
-    deviations = axes[0, 1]
-    for key, label in (("comb_row_sum_max_deviation", "rows"), ("comb_col_sum_max_deviation", "columns")):
-        deviations.plot(positions, [max(site[key], 1e-12) for site in sites], marker="o", label=label)
-    deviations.set_yscale("log")
-    deviations.set_title("comb: largest |sum - 1|")
+    _reference_line(gains, 1.0, "1 (doubly stochastic)")
+    _set_y_limits(gains, [site[key] for site in sites for key, _ in gain_keys])
+    gains.set_title("gain of the residual mixing (max over tokens)")
+    gains.set_ylabel("gain (max |row| / |column| sum)")
+    sums = axes[0, 1]
+    for name, label in (("row", "rows"), ("col", "columns")):
+        low = [site[f"comb_{name}_sum_min"] for site in sites]
+        high = [site[f"comb_{name}_sum_max"] for site in sites]
+        sums.fill_between(positions, low, high, alpha=0.3, label=f"{label} (min-max)")
+        sums.plot(positions, high, marker="o", markersize=3, linewidth=0.8)
+    _reference_line(sums, 1.0, "1")
+    _set_y_limits(sums, [site[f"comb_{name}_sum_{end}"] for site in sites for name in ("row", "col")
+                         for end in ("min", "max")])
+    sums.set_title("comb: row and column sums (over tokens)")
+    sums.set_ylabel("sum of a row / column of comb")
     cosine = axes[1, 0]
     if sites[0]["stream_cosine_mean"] is not None:
         cosine.plot(positions, [site["stream_cosine_mean"] for site in sites], marker="o", label="mean")
         cosine.plot(positions, [site["stream_cosine_max"] for site in sites], marker="o", label="max")
-    cosine.set_title("stream similarity entering the site (mean pairwise cosine)")
+        _reference_line(cosine, 1.0, "1 (collapsed)")
+        _set_y_limits(cosine, [site[key] for site in sites for key in ("stream_cosine_mean", "stream_cosine_max")])
+    cosine.set_title("stream similarity entering the site")
+    cosine.set_ylabel("mean pairwise cosine similarity")
     maps = axes[1, 1]
     for name in ("pre", "post"):
-        means = [site[f"{name}_mean"] for site in sites]
-        maps.plot(positions, means, marker="o", label=f"{name} mean")
+        maps.plot(positions, [site[f"{name}_mean"] for site in sites], marker="o", label=f"{name} mean")
         maps.fill_between(positions, [site[f"{name}_min"] for site in sites], [site[f"{name}_max"] for site in sites],
                           alpha=0.2, label=f"{name} min-max")
-    maps.set_title("pre / post")
+    _set_y_limits(maps, [site[f"{name}_{end}"] for site in sites for name in ("pre", "post") for end in ("min", "max")],
+                  center=None)
+    maps.set_title("pre / post (over tokens and streams)")
+    maps.set_ylabel("coefficient")
     for axis in axes.flat:
+        axis.ticklabel_format(axis="y", useOffset=False)
         axis.set_xticks(positions, labels, fontsize=7)
         axis.set_xlabel("HC site (layer, a = attention, f = FFN)")
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=8)
     figure.suptitle(f"mHC stability, n = {report['hc_mult']}, {report['num_tokens']} tokens")
-    written = [out_dir / "overview.png"]
-    figure.savefig(written[0], dpi=100)
+    return figure
+
+
+def layer_figure(report: dict[str, Any], layer: int):
+    """The ``matplotlib.figure.Figure`` of ``layer_{layer}.png`` (see :func:`plot_report`)."""
+    from matplotlib.figure import Figure
 
     n = report["hc_mult"]
     streams = list(range(n))
+    layer_sites = [site for site in report["sites"] if site["layer"] == layer]
+    figure = Figure(figsize=(4 * (len(layer_sites) + 1), 3.6))
+    axes = figure.subplots(1, len(layer_sites) + 1)
+    figure.subplots_adjust(left=0.06, right=0.98, top=0.82, bottom=0.17, wspace=0.45)
+    for axis, site in zip(axes[:-1], layer_sites, strict=True):
+        image = axis.imshow(site["comb_token_mean"], vmin=0.0, vmax=1.0, cmap="viridis")
+        axis.set_title(f"{site['sublayer']} comb (token mean)")
+        axis.set_xlabel("to stream i (X'_i = sum_j comb_ji X_j)")
+        axis.set_ylabel("from stream j")
+        axis.set_xticks(streams)
+        axis.set_yticks(streams)
+        figure.colorbar(image, ax=axis, shrink=0.8)
+    bars = axes[-1]
+    bar_width = 0.8 / (2 * len(layer_sites))
+    for offset, (site, name) in enumerate(itertools.product(layer_sites, ("pre", "post"))):
+        bars.bar([s + (offset - len(layer_sites) + 0.5) * bar_width for s in streams], site[f"{name}_stream_mean"],
+                 width=bar_width, label=f"{site['sublayer']} {name}")
+    bars.set_xticks(streams)
+    bars.set_xlabel("stream")
+    bars.set_ylabel("coefficient (token mean)")
+    bars.set_title("pre / post (token mean)")
+    bars.set_ylim(0, 1.4 * max(max(site["post_stream_mean"] + site["pre_stream_mean"]) for site in layer_sites))
+    bars.legend(fontsize=7, loc="upper center", ncols=2)
+    figure.suptitle(f"layer {layer}")
+    return figure
+
+
+def plot_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """Write PNG plots of a :func:`stability_report` to ``out_dir`` (created) and return their paths.
+
+    ``overview.png`` (:func:`overview_figure`): gains (per site and cumulative), ``comb``'s row / column sums, stream
+    similarity and the ``pre`` / ``post`` ranges over depth. ``layer_{i}.png`` (:func:`layer_figure`), one per layer:
+    the token-mean ``comb`` of its attention and FFN sites as heat maps and the per-stream mean ``pre`` / ``post``.
+    Needs ``matplotlib`` (ImportError otherwise).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / "overview.png"]
+    overview_figure(report).savefig(written[0], dpi=100)
     for layer in range(report["num_layers"]):
-        layer_sites = [site for site in sites if site["layer"] == layer]
-        figure = Figure(figsize=(4 * (len(layer_sites) + 1), 3.6))
-        axes = figure.subplots(1, len(layer_sites) + 1)
-        figure.subplots_adjust(left=0.06, right=0.98, top=0.82, bottom=0.17, wspace=0.45)
-        for axis, site in zip(axes[:-1], layer_sites, strict=True):
-            image = axis.imshow(site["comb_token_mean"], vmin=0.0, vmax=1.0, cmap="viridis")
-            axis.set_title(f"{site['sublayer']} comb (token mean)")
-            axis.set_xlabel("to stream i (X'_i = sum_j comb_ji X_j)")
-            axis.set_ylabel("from stream j")
-            axis.set_xticks(streams)
-            axis.set_yticks(streams)
-            figure.colorbar(image, ax=axis, shrink=0.8)
-        bars = axes[-1]
-        bar_width = 0.8 / (2 * len(layer_sites))
-        for offset, (site, name) in enumerate(itertools.product(layer_sites, ("pre", "post"))):
-            bars.bar([s + (offset - len(layer_sites) + 0.5) * bar_width for s in streams], site[f"{name}_stream_mean"],
-                     width=bar_width, label=f"{site['sublayer']} {name}")
-        bars.set_xticks(streams)
-        bars.set_xlabel("stream")
-        bars.set_title("pre / post (token mean)")
-        bars.set_ylim(0, 1.4 * max(max(site["post_stream_mean"] + site["pre_stream_mean"]) for site in layer_sites))
-        bars.legend(fontsize=7, loc="upper center", ncols=2)
-        figure.suptitle(f"layer {layer}")
         path = out_dir / f"layer_{layer}.png"
-        figure.savefig(path, dpi=100)
+        layer_figure(report, layer).savefig(path, dpi=100)
         written.append(path)
     return written
 
@@ -553,11 +612,15 @@ def _load_for_inspection(checkpoint: str, device: torch.device, dtype: str) -> t
     is_adapter = (Path(checkpoint) / "adapter_config.json").is_file()
     base = checkpoint
     if is_adapter:
-        from peft import PeftConfig
+        if (Path(checkpoint) / "config.json").is_file():
+            # transformers would load the model and silently apply the adapter beside it.
+            raise ValueError(
+                f"{checkpoint} holds both a model (config.json) and a PEFT adapter (adapter_config.json): move one of "
+                "them to its own folder"
+            )
+        from .peft import adapter_base
 
-        base = PeftConfig.from_pretrained(checkpoint).base_model_name_or_path
-        if base is None:
-            raise ValueError(f"the PEFT adapter {checkpoint} does not name its base model (base_model_name_or_path)")
+        base = adapter_base(checkpoint)
     model_type = AutoConfig.from_pretrained(base).model_type
     if model_type != "mhc":
         raise ValueError(f"{base} is a {model_type!r} model, not an mHC one: upcycle it first (hf_mhc.upcycle)")
@@ -608,8 +671,15 @@ def inspect_main(argv: list[str] | None = None) -> int:
 
     Parses ``argv`` (default ``sys.argv[1:]``) and runs :func:`run_inspect`; returns the exit status.
     """
+    from .cli import first_line
+
     parser = add_inspect_arguments(argparse.ArgumentParser(prog=INSPECT_PROG, description=INSPECT_DESCRIPTION))
-    return run_inspect(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        return run_inspect(args)
+    except (OSError, ValueError, ImportError) as error:  # as hf-mhc's main: one line, no traceback
+        print(f"{INSPECT_PROG}: error: {first_line(error)}", file=sys.stderr)
+        return 1
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -622,15 +692,24 @@ def run_inspect(args: argparse.Namespace) -> int:
     ``hf-mhc inspect: error: ...`` line on stderr).
     """
 
+    from .cli import first_line, folder_error, output_path_error
+
     def fail(message: str) -> int:
-        print(f"{INSPECT_PROG}: error: {message}", file=sys.stderr)
+        print(f"{INSPECT_PROG}: error: {' '.join(message.split())}", file=sys.stderr)
         return 1
 
+    missing = folder_error(args.checkpoint)
+    if missing is not None:
+        return fail(missing)
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             return fail("--plot needs matplotlib: pip install matplotlib")
+    for option, path, folder in (("--plot", args.plot, True), ("--json", args.json, False)):
+        unusable = None if path is None else output_path_error(path, folder=folder)
+        if unusable is not None:
+            return fail(f"{option} {path}: {unusable}")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -640,8 +719,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     try:
         model, tokenizer = _load_for_inspection(args.checkpoint, device, args.dtype)
     except (OSError, ValueError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return fail(f"cannot load {args.checkpoint}: {first_line}")
+        return fail(f"cannot load {args.checkpoint}: {first_line(exc)}")
 
     if tokenizer is not None:
         text = DEFAULT_INSPECT_TEXT if args.text is None else args.text
@@ -658,11 +736,12 @@ def run_inspect(args: argparse.Namespace) -> int:
     report = stability_report(model, input_ids)
     print(format_report(report))
     if args.json is not None:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2), encoding="utf-8")
+        json_path = Path(args.json).expanduser()
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2), encoding="utf-8")
         print(f"report written to {args.json}")
     if args.plot is not None:
-        paths = plot_report(report, args.plot)
+        paths = plot_report(report, Path(args.plot).expanduser())
         print(f"{len(paths)} plots written to {args.plot}")
     return 0
 
@@ -676,7 +755,9 @@ __all__ = [
     "capture_hc_maps",
     "format_report",
     "inspect_main",
+    "layer_figure",
     "mean_pairwise_stream_cosine",
+    "overview_figure",
     "plot_report",
     "report_scalars",
     "run_inspect",

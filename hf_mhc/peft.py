@@ -6,16 +6,27 @@ The HC modules (``attn_hc``, ``ffn_hc``, ``hc_head``) have no ``nn.Linear`` for 
 and decide how the streams mix, so they are trained in full through PEFT's ``modules_to_save``: the adapter
 checkpoint carries them, ``PeftModel.from_pretrained`` restores them and ``merge_and_unload()`` puts them back
 into a plain :class:`~hf_mhc.MHCForCausalLM`.
+
+An adapter names its base model in ``adapter_config.json`` (``base_model_name_or_path``, taken from the model's
+``name_or_path`` when the adapter is created or saved). A model upcycled in memory (``hf_mhc.upcycle(llama)``) exists
+nowhere on disk, so an adapter trained on it names no base (``null``) and cannot be reloaded:
+:func:`save_adapter_base` saves such a model and points its ``name_or_path`` at the saved folder first;
+:func:`adapter_base` reads an adapter's base and says what is wrong when there is none.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from peft import LoraConfig, TaskType
 
 from .modeling_mhc import HC_MODULE_NAMES
+
+ADAPTER_CONFIG_NAME = "adapter_config.json"
 
 BACKBONE_PROJECTIONS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -64,4 +75,58 @@ def mhc_lora_config(
     )
 
 
-__all__ = ["BACKBONE_PROJECTIONS", "HC_MODULE_NAMES", "mhc_lora_config"]
+def save_adapter_base(model: Any, base_dir: str | os.PathLike, tokenizer: Any = None) -> Path:
+    """Save ``model`` (an mHC model without adapters, e.g. fresh from ``hf_mhc.upcycle``) to ``base_dir`` as the base
+    of the adapters to be trained on it, and set ``model.name_or_path`` to that folder (absolute).
+
+    ``peft.get_peft_model(model, ...)`` then records the folder as the adapter's ``base_model_name_or_path``, so that
+    ``peft.AutoPeftModelForCausalLM.from_pretrained(ADAPTER_DIR)`` and ``hf-mhc inspect ADAPTER_DIR`` find the base.
+    Call it before ``get_peft_model``. ``tokenizer``, when given, is saved beside the model. Returns the folder.
+    """
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel) or getattr(model, "_hf_peft_config_loaded", False):
+        raise TypeError("save_adapter_base needs the model without adapters: call it before get_peft_model.")
+    base_dir = Path(base_dir).expanduser().absolute()
+    model.save_pretrained(base_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(base_dir)
+    model.name_or_path = str(base_dir)
+    return base_dir
+
+
+def adapter_base(adapter_dir: str | os.PathLike) -> str:
+    """The base model of the PEFT adapter in folder ``adapter_dir``: ``base_model_name_or_path`` of its
+    ``adapter_config.json`` (a folder or a Hub id).
+
+    Raises ValueError with a one-line reason when the adapter names no base (it was trained on a model that existed
+    only in memory: save the base model first, see :func:`save_adapter_base`), when its base looks like a local path
+    that does not exist, and when ``adapter_config.json`` is missing or not JSON.
+    """
+    from .cli import folder_error
+
+    config_path = Path(adapter_dir) / ADAPTER_CONFIG_NAME
+    try:
+        base = json.loads(config_path.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as error:
+        raise ValueError(f"cannot read the PEFT adapter config {config_path}: {error}") from error
+    if not base:
+        raise ValueError(
+            f"the PEFT adapter {adapter_dir} names no base model (base_model_name_or_path {base!r} in {config_path}; "
+            "it was trained on a model that existed only in memory, e.g. just upcycled): save the base model first "
+            "and set base_model_name_or_path to its folder (hf_mhc.peft.save_adapter_base does both)"
+        )
+    missing = folder_error(base)
+    if missing is not None:
+        raise ValueError(f"{missing} (the base model named by {config_path})")
+    return base
+
+
+__all__ = [
+    "ADAPTER_CONFIG_NAME",
+    "BACKBONE_PROJECTIONS",
+    "HC_MODULE_NAMES",
+    "adapter_base",
+    "mhc_lora_config",
+    "save_adapter_base",
+]

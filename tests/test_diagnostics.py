@@ -126,7 +126,7 @@ def test_gains_match_a_float64_product_of_the_mixing_maps_over_the_unmasked_toke
 
 
 def test_doubly_stochastic_comb_is_non_expansive_and_one_sinkhorn_round_is_not():
-    converged = randomize_hc(mhc_model(hc_mult=4, hc_sinkhorn_iters=200), fn_std=0.1)
+    converged = randomize_hc(mhc_model(hc_mult=4, hc_sinkhorn_iters=100), fn_std=0.1)
     one_round = mhc_model(hc_mult=4, hc_sinkhorn_iters=1)
     one_round.load_state_dict(converged.state_dict())
     input_ids = torch.randint(3, VOCAB, (2, 10))
@@ -246,7 +246,10 @@ def test_inspect_arguments_plug_into_a_subcommand_parser(tmp_path, capsys):
 
 def test_inspect_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
     assert inspect_main([str(tmp_path / "missing")]) == 1
-    assert capsys.readouterr().err.startswith("hf-mhc inspect: error: cannot load")
+    assert capsys.readouterr().err == f"hf-mhc inspect: error: no such folder: {tmp_path / 'missing'}\n"
+    for local in ("./missing", "~/missing-hf-mhc-model", "outputs/finetune/mergd"):  # never a Hub repo-id error
+        assert inspect_main([local]) == 1
+        assert capsys.readouterr().err == f"hf-mhc inspect: error: no such folder: {local}\n"
     LlamaForCausalLM(tiny_backbone_config("llama")).save_pretrained(tmp_path / "llama")
     mhc_model().save_pretrained(tmp_path / "mhc")
     capsys.readouterr()  # drop the save progress bars
@@ -287,3 +290,77 @@ def test_inspect_cli_on_the_upcycled_real_llama_with_its_tokenizer(tmp_path, cap
     assert report["num_tokens"] == len(AutoTokenizer.from_pretrained(STORIES260K)(text)["input_ids"])
     # Upcycled: the residual mixing is the identity up to hc_eps at every site and over the depth.
     assert abs(report["summary"]["composite_backward_gain"] - 1) < 1e-4
+
+
+def test_inspect_checks_the_plot_and_json_paths_before_it_loads_anything(tmp_path, capsys, monkeypatch):
+    import hf_mhc.diagnostics as diagnostics
+
+    pytest.importorskip("matplotlib")
+    mhc_model(hc_mult=2).save_pretrained(tmp_path / "mhc")
+    (tmp_path / "file.txt").write_text("mine")
+    (tmp_path / "folder").mkdir()
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the checkpoint was loaded before the output paths were checked")
+
+    monkeypatch.setattr(diagnostics, "_load_for_inspection", no_loading)
+    file, folder = tmp_path / "file.txt", tmp_path / "folder"
+    cases = [
+        (["--plot", str(file)], f"--plot {file}: {file} is a file, not a folder"),
+        (["--plot", str(file / "p")], f"--plot {file / 'p'}: cannot create {file / 'p'}: {file} is a file"),
+        (["--json", str(folder)], f"--json {folder}: {folder} is a folder, not a file"),
+        (["--json", str(file / "a")], f"--json {file / 'a'}: cannot create {file / 'a'}: {file} is a file"),
+        (["--json", ""], "--json : empty path"),
+    ]
+    capsys.readouterr()
+    for options, expected in cases:
+        assert inspect_main([str(tmp_path / "mhc"), *options]) == 1, options
+        assert capsys.readouterr().err == f"hf-mhc inspect: error: {expected}\n"
+    assert (tmp_path / "file.txt").read_text() == "mine"
+
+
+def overview_and_layer_figures(report, tmp_path, monkeypatch):
+    """The matplotlib figures plot_report draws, caught at savefig (nothing is rendered)."""
+    from matplotlib.figure import Figure
+
+    from hf_mhc.diagnostics import plot_report
+
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: figures.append(figure))
+    plot_report(report, tmp_path / "plots")
+    return figures[0], figures[1:]
+
+
+def horizontal_lines_at(axis, value):
+    return [line for line in axis.get_lines() if len(set(line.get_ydata())) == 1 and line.get_ydata()[0] == value]
+
+
+def test_plots_label_their_y_axes_mark_1_and_draw_float_noise_flat(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    # Function-preserving init: every gain and comb sum is 1 up to hc_eps and float rounding (about 1e-6).
+    report = stability_report(mhc_model(hc_mult=4), torch.randint(3, VOCAB, (2, 9)))
+    overview, layers = overview_and_layer_figures(report, tmp_path, monkeypatch)
+    gains, sums, cosine, maps = overview.axes[:4]
+    for axis in (gains, sums, cosine, maps):
+        assert axis.get_ylabel(), axis.get_title()
+    gain_keys = ("forward_gain_max", "backward_gain_max", "cumulative_forward_gain_max", "cumulative_backward_gain_max")
+    for axis, keys in (
+        (gains, gain_keys),
+        (sums, ("comb_row_sum_min", "comb_row_sum_max", "comb_col_sum_min", "comb_col_sum_max")),
+        (cosine, ("stream_cosine_mean", "stream_cosine_max")),
+    ):
+        assert horizontal_lines_at(axis, 1.0), axis.get_title()
+        values = [site[key] for site in report["sites"] for key in keys]
+        low, high = axis.get_ylim()
+        assert low <= 0.95 and high >= 1.05, (axis.get_title(), low, high)
+        assert low <= min(values) and max(values) <= high
+    noise = max(abs(site[key] - 1) for site in report["sites"] for key in gain_keys)
+    assert 0 < noise < 1e-4 and noise / (gains.get_ylim()[1] - gains.get_ylim()[0]) < 1e-3
+    bars = [axis for figure in layers for axis in figure.axes if axis.get_xlabel() == "stream"]
+    assert len(layers) == len(bars) == 3 and all(axis.get_ylabel() for axis in bars)
+
+    # Gains far from 1 (one Sinkhorn round, random maps) widen the range to the data instead.
+    loose = stability_report(randomize_hc(mhc_model(hc_mult=4, hc_sinkhorn_iters=1)), torch.randint(3, VOCAB, (2, 9)))
+    gains = overview_and_layer_figures(loose, tmp_path, monkeypatch)[0].axes[0]
+    largest = max(site["cumulative_backward_gain_max"] for site in loose["sites"])
+    assert largest > 1.05 and gains.get_ylim()[1] >= largest and gains.get_ylim()[0] <= 0.95

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -153,13 +156,14 @@ def test_bad_input_gets_a_one_line_error(example, tiny_llama_dir, text_files, tm
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets_cache")
     assert "add --upcycle" in usage_error(example, ["--model", str(tiny_llama_dir)], capsys)
     assert "--hc-mult only applies" in usage_error(example, ["--model", str(tiny_llama_dir), "--hc-mult", "2"], capsys)
-    assert "cannot load --model" in usage_error(example, ["--model", str(tmp_path / "missing")], capsys)
+    assert "--model: no such folder: " in usage_error(example, ["--model", str(tmp_path / "missing")], capsys)
+    assert "--model: no such folder: ./missing/model" in usage_error(example, ["--model", "./missing/model"], capsys)
     assert "hc_mult must be an integer from 1 to 8" in usage_error(
         example, ["--model", str(tiny_llama_dir), "--upcycle", "--hc-mult", "9"], capsys
     )
     assert "--steps must be >= 1" in usage_error(example, ["--model", str(tiny_llama_dir), "--steps", "0"], capsys)
     upcycle = ["--model", str(tiny_llama_dir), "--upcycle"]
-    assert "no such file" in usage_error(example, [*upcycle, "--dataset", str(tmp_path / "none/*.txt")], capsys)
+    assert "no file matches" in usage_error(example, [*upcycle, "--dataset", str(tmp_path / "none/*.txt")], capsys)
     message = usage_error(
         example, [*upcycle, "--dataset", str(text_files / "*.txt"), "--text-column", "body"], capsys
     )
@@ -186,3 +190,186 @@ def test_defaults_are_the_shared_assets_when_present_else_need_no_download(examp
         assert any("truth universally acknowledged" in text for text in texts["text"][:20_000])
     else:
         assert description == "Python's pydoc_data help texts" and len(texts) > 1_000
+
+
+def tiny_run(tiny_llama_dir: Path, dataset: Path | str, *extra: str) -> list[str]:
+    """A 2-step full fine-tuning of the tiny Llama upcycled to 2 streams, in seconds; ``extra`` arguments follow."""
+    return [
+        "--model", str(tiny_llama_dir), "--upcycle", "--hc-mult", "2", "--dataset", str(dataset),
+        "--steps", "2", "--batch-size", "2", "--block-size", "16", "--eval-blocks", "0", "--max-train-blocks", "8",
+        "--stability-every", "0", "--logging-steps", "1", *extra,
+    ]
+
+
+@pytest.fixture
+def datasets_cache(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets_cache")
+
+
+def earlier_lora_run(folder: Path, tiny_llama_dir: Path) -> None:
+    """What a `--lora --merge-lora` run on an upcycled model leaves in its output folder (adapter, merged/,
+    upcycled_base/, a checkpoint), made directly, plus a file of the user's own."""
+    from peft import get_peft_model
+
+    from hf_mhc.peft import mhc_lora_config
+
+    base = hf_mhc.upcycle(LlamaForCausalLM.from_pretrained(tiny_llama_dir), hc_mult=2)
+    base.save_pretrained(folder / "upcycled_base")
+    adapter = get_peft_model(base, mhc_lora_config(r=2))
+    with torch.no_grad():
+        for name, param in adapter.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)  # an adapter that changes the logits a lot
+    adapter.save_pretrained(folder)
+    adapter.save_pretrained(folder / "checkpoint-3")
+    (folder / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    adapter.merge_and_unload().save_pretrained(folder / "merged")
+    (folder / "notes.txt").write_text("the user's own notes")
+
+
+def test_a_non_empty_output_dir_needs_overwrite_which_replaces_only_the_earlier_run(
+    example, tiny_llama_dir, text_files, tmp_path, capsys, datasets_cache
+):
+    out = tmp_path / "out"
+    earlier_lora_run(out, tiny_llama_dir)
+    capsys.readouterr()
+    assert "is not empty: pass --overwrite" in usage_error(
+        example, tiny_run(tiny_llama_dir, text_files / "*.txt", "--output-dir", str(out)), capsys
+    )
+    assert (out / "adapter_config.json").is_file()  # refused before anything was written
+
+    # The earlier adapter folder is no model to train on, and neither is a model with an adapter beside it, which
+    # transformers would silently apply on load (and then fail to save: "PEFT >= 0.22.0").
+    assert "is a PEFT adapter, not a model" in usage_error(example, ["--model", str(out)], capsys)
+    with_adapter = tmp_path / "with_adapter"
+    shutil.copytree(out / "merged", with_adapter)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(out / name, with_adapter / name)
+    assert "holds a PEFT adapter (adapter_config.json) beside the model" in usage_error(
+        example, ["--model", str(with_adapter)], capsys
+    )
+
+    assert example.main(tiny_run(tiny_llama_dir, text_files / "*.txt", "--output-dir", str(out), "--overwrite")) == 0
+    printed = capsys.readouterr().out
+    assert "--overwrite: deleted the earlier run's" in printed and "kept 1 other file(s): notes.txt" in printed
+    assert (out / "notes.txt").read_text() == "the user's own notes"
+    for stale in ("adapter_config.json", "adapter_model.safetensors", "README.md", "merged", "upcycled_base",
+                  "checkpoint-3"):
+        assert not (out / stale).exists(), stale
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-2"]  # the last step is saved too
+    # The saved model is the trained one alone: no stale adapter applied on load.
+    trained = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert not getattr(trained, "_hf_peft_config_loaded", False)
+    last_checkpoint = AutoModelForCausalLM.from_pretrained(out / "checkpoint-2").eval()
+    ids = torch.randint(3, trained.config.get_text_config().vocab_size, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(trained(ids).logits, last_checkpoint(ids).logits, rtol=0, atol=0)
+
+
+def test_paths_data_and_integrations_are_checked_before_training(
+    example, tiny_llama_dir, text_files, tmp_path, capsys, datasets_cache, monkeypatch
+):
+    run = partial(tiny_run, tiny_llama_dir, text_files / "*.txt")
+    mhc_dir = tmp_path / "mhc"
+    hf_mhc.upcycle(LlamaForCausalLM.from_pretrained(tiny_llama_dir), hc_mult=2).save_pretrained(mhc_dir)
+    capsys.readouterr()
+    assert "--output-dir is the --model folder" in usage_error(
+        example, ["--model", str(mhc_dir), "--lora", "--output-dir", str(mhc_dir) + "/"], capsys
+    )
+    (tmp_path / "file.txt").write_text("x")
+    assert "is a file" in usage_error(example, run("--output-dir", str(tmp_path / "file.txt" / "out")), capsys)
+    assert "empty path" in usage_error(example, run("--output-dir", ""), capsys)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("x")
+    assert "not the output of an earlier run" in usage_error(
+        example, run("--output-dir", str(mine), "--overwrite"), capsys
+    )
+    assert (mine / "thesis.tex").is_file()
+    assert "choose one" in usage_error(example, run("--resume", "--overwrite"), capsys)
+    assert "no checkpoint-* in --output-dir" in usage_error(
+        example, run("--output-dir", str(tmp_path / "new"), "--resume"), capsys
+    )
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "empty.txt").write_text("")
+    (data / "broken.jsonl").write_text('{"text": "a"}\n{"text": \n')
+    (data / "numbers.jsonl").write_text('{"text": 1}\n{"text": 2}\n')
+    (data / "lists.jsonl").write_text('{"text": ["a", "b"]}\n')
+    out = ["--output-dir", str(tmp_path / "out")]
+    cases = {
+        "empty.txt": "empty file",
+        "broken.jsonl": "invalid JSON, line 2",
+        "numbers.jsonl": "holds Value('int64'), not text",
+        "lists.jsonl": "not text",
+        "nothing*.txt": "no file matches",
+        "missing.txt": "no such file or folder",
+    }
+    for name, expected in cases.items():
+        message = usage_error(example, tiny_run(tiny_llama_dir, data / name, *out), capsys)
+        assert expected in message, (name, message)
+
+    from transformers.integrations import integration_utils
+
+    monkeypatch.setattr(integration_utils, "get_available_reporting_integrations", lambda: [])
+    assert "tensorboard is not installed (pip install tensorboard)" in usage_error(
+        example, run(*out, "--report-to", "tensorboard"), capsys
+    )
+    assert "unknown integration" in usage_error(example, run(*out, "--report-to", "tensorbored"), capsys)
+    assert not (tmp_path / "out").exists()  # nothing was trained or written
+
+
+def test_a_crash_keeps_the_checkpoints_and_resume_continues_from_the_last(
+    example, tiny_llama_dir, text_files, tmp_path, capsys, datasets_cache, monkeypatch
+):
+    from transformers import Trainer
+
+    lora = tiny_run(
+        tiny_llama_dir, text_files / "*.txt", "--lora", "--lora-r", "2", "--steps", "3", "--save-steps", "1"
+    )
+    steps, crash_at = [], [3]
+    training_step = Trainer.training_step
+
+    def record_or_crash(self, *args, **kwargs):
+        steps.append(self.state.global_step + 1)
+        if steps[-1] in crash_at:
+            raise RuntimeError("simulated crash")
+        return training_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "training_step", record_or_crash)
+    crashed = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        example.main([*lora, "--output-dir", str(crashed)])
+    assert sorted(path.name for path in crashed.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+
+    steps.clear()
+    crash_at.clear()
+    assert example.main([*lora, "--output-dir", str(crashed), "--resume"]) == 0
+    assert steps == [3]  # only the lost step ran again
+    assert f"resuming from {crashed / 'checkpoint-2'}" in capsys.readouterr().out
+    straight = tmp_path / "straight"
+    assert example.main([*lora, "--output-dir", str(straight)]) == 0
+
+    def losses(folder: Path) -> list[tuple[int, float]]:
+        history = json.loads((folder / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
+        return [(entry["step"], float(entry["loss"])) for entry in history if "loss" in entry]
+
+    resumed, expected = losses(crashed), losses(straight)
+    assert [step for step, _ in resumed] == [step for step, _ in expected] == [1, 2, 3]
+    # Step 3's loss is a forward pass of the weights restored from checkpoint-2, on the batch the sampler resumed at.
+    assert [loss for _, loss in resumed] == pytest.approx([loss for _, loss in expected], rel=1e-5)
+    # The adapter names the upcycled base saved beside it (absolute), so it loads from any working directory.
+    config = json.loads((crashed / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((crashed / "upcycled_base").absolute())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    adapter = AutoPeftModelForCausalLM.from_pretrained(crashed).eval()
+    reference = AutoPeftModelForCausalLM.from_pretrained(straight).eval()
+    ids = torch.randint(3, adapter.config.get_text_config().vocab_size, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(adapter(input_ids=ids).logits, reference(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-5)

@@ -123,3 +123,62 @@ def test_lora_config_keeps_user_choices_and_rejects_hc_targets():
         mhc_lora_config(target_modules=["q_proj", "attn_hc"])
     with pytest.raises(ValueError, match="empty"):
         mhc_lora_config(target_modules=[])
+
+
+def lora_on(model, seed: int = 0):
+    """An mhc_lora_config adapter on ``model`` whose LoRA updates are not zero (so it changes the logits)."""
+    adapter = get_peft_model(model, mhc_lora_config(r=2))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in adapter.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return adapter.eval()
+
+
+def test_an_adapter_of_an_in_memory_model_gets_a_clear_error_and_save_adapter_base_avoids_it(
+    tmp_path, capsys, monkeypatch
+):
+    from peft import AutoPeftModelForCausalLM
+
+    from hf_mhc.peft import adapter_base, save_adapter_base
+
+    source = LlamaForCausalLM(tiny_backbone_config("llama"))
+    lora_on(hf_mhc.upcycle(source, hc_mult=2)).save_pretrained(tmp_path / "orphan")
+    assert json.loads((tmp_path / "orphan" / "adapter_config.json").read_text())["base_model_name_or_path"] is None
+    capsys.readouterr()
+    assert inspect_main([str(tmp_path / "orphan")]) == 1
+    message = capsys.readouterr().err
+    assert message.startswith("hf-mhc inspect: error: ") and message.count("\n") == 1
+    assert "save the base model first and set base_model_name_or_path" in message and "huggingface.co" not in message
+    with pytest.raises(ValueError, match="save the base model first"):
+        adapter_base(tmp_path / "orphan")
+
+    model = hf_mhc.upcycle(source, hc_mult=2)
+    base_dir = save_adapter_base(model, tmp_path / "base")
+    assert base_dir == (tmp_path / "base").absolute() and model.name_or_path == str(base_dir)
+    adapter = lora_on(model)
+    with pytest.raises(TypeError, match="before get_peft_model"):
+        save_adapter_base(adapter, tmp_path / "again")
+    adapter.save_pretrained(tmp_path / "adapter")
+    assert adapter_base(tmp_path / "adapter") == str(base_dir)
+    ids = torch.randint(3, VOCAB, (1, 9))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the base is named by its absolute path
+    reloaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, adapter(input_ids=ids).logits, rtol=0, atol=1e-6)
+    assert inspect_main([str(tmp_path / "adapter")]) == 0
+
+    # A missing base folder, and a model folder with an adapter beside it (transformers would silently apply it).
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "moved_base")
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert inspect_main([str(tmp_path / "adapter")]) == 1
+    assert f"no such folder: {tmp_path / 'moved_base'} (the base model named by" in capsys.readouterr().err
+    adapter.save_pretrained(base_dir)
+    capsys.readouterr()
+    assert inspect_main([str(base_dir)]) == 1
+    assert "holds both a model (config.json) and a PEFT adapter" in capsys.readouterr().err

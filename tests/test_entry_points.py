@@ -1,0 +1,90 @@
+"""One error style across the entry points: a missing local path reads "no such folder", bad input one line, no
+traceback (``hf-mhc``, ``examples/quickstart.py``; ``examples/finetune.py`` in test_finetune_example.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from conftest import tiny_backbone_config
+from transformers import LlamaForCausalLM
+
+import hf_mhc
+from hf_mhc.cli import folder_error, looks_like_local_path, main, output_path_error
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+
+
+def test_local_paths_are_told_from_hub_repo_ids(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    for repo_id in ("gpt2", "Qwen/Qwen3-0.6B", "meta-llama/Llama-3.2-1B"):
+        assert not looks_like_local_path(repo_id) and folder_error(repo_id) is None, repo_id
+    for path in ("./model", "../model", "/no/such/model", "~/model", "a/b/c", "outputs/mergd", "outputs", ""):
+        assert looks_like_local_path(path), path
+    assert folder_error("outputs") is None
+    assert folder_error("outputs/mergd") == "no such folder: outputs/mergd"  # exists partly
+    assert folder_error("./model") == "no such folder: ./model"
+    assert folder_error("notes.txt") == "not a folder: notes.txt"
+    assert output_path_error("outputs/new/deeper", folder=True) is None  # created later; nothing made now
+    assert not (tmp_path / "outputs" / "new").exists()
+    assert output_path_error("notes.txt/out", folder=True) == "cannot create notes.txt/out: " + str(
+        tmp_path / "notes.txt"
+    ) + " is a file"
+    assert output_path_error("notes.txt", folder=False) is None  # a file to replace
+
+
+def test_hf_mhc_says_no_such_folder_and_turns_bad_input_into_one_line(capsys, monkeypatch):
+    assert main(["inspect", "./no/such/checkpoint"]) == 1
+    assert capsys.readouterr().err == "hf-mhc inspect: error: no such folder: ./no/such/checkpoint\n"
+
+    import hf_mhc.diagnostics
+
+    def disk_full(args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hf_mhc.diagnostics, "run_inspect", disk_full)
+    assert main(["inspect", "anything"]) == 1
+    assert capsys.readouterr().err == "hf-mhc inspect: error: [Errno 28] No space left on device\n"
+    with pytest.raises(SystemExit) as exit_info:  # what argparse itself rejects keeps its status 2
+        main(["inspect"])
+    assert exit_info.value.code == 2
+
+
+@pytest.fixture(scope="module")
+def quickstart():
+    spec = importlib.util.spec_from_file_location("quickstart_example", QUICKSTART)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def quickstart_error(quickstart, argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        quickstart.main(argv)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert ": error: " in lines[-1] and not any("Traceback" in line for line in lines)
+    return lines[-1]
+
+
+def test_quickstart_bad_input_gets_a_one_line_error(quickstart, tmp_path, capsys):
+    assert quickstart_error(quickstart, ["--model", "./missing"], capsys).endswith(
+        "error: --model: no such folder: ./missing"
+    )
+    assert "--steps must be >= 1" in quickstart_error(quickstart, ["--steps", "0"], capsys)
+    (tmp_path / "file.txt").write_text("x")
+    assert "is a file" in quickstart_error(quickstart, ["--output-dir", str(tmp_path / "file.txt" / "out")], capsys)
+    no_tokenizer = tmp_path / "llama"
+    LlamaForCausalLM(tiny_backbone_config("llama")).save_pretrained(no_tokenizer)
+    capsys.readouterr()
+    message = quickstart_error(quickstart, ["--model", str(no_tokenizer)], capsys)
+    assert f"cannot load --model {no_tokenizer}: " in message
+    mhc_dir = tmp_path / "mhc"
+    hf_mhc.upcycle(LlamaForCausalLM(tiny_backbone_config("llama"))).save_pretrained(mhc_dir)
+    capsys.readouterr()
+    assert "is a 'mhc' model; quickstart upcycles a residual" in quickstart_error(
+        quickstart, ["--model", str(mhc_dir)], capsys
+    )
