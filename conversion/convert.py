@@ -510,12 +510,11 @@ def copy_auxiliary_files(source_folder: Path, folder: Path) -> list[str]:
 def _check_tree_inside_source(tree: Path, source_folder: Path) -> None:
     """Check every entry under ``tree`` (links followed) with :func:`~.source.check_inside_source`."""
     check_inside_source(tree, source_folder)
-    seen = set()
     for root, dirs, files in os.walk(tree, followlinks=True):
-        real = os.path.realpath(root)
-        if real in seen:
-            raise ConversionError(f"{root} links back to a folder above it; remove the link loop from SRC.")
-        seen.add(real)
+        here = Path(root)
+        above = [folder for folder in here.parents if folder == tree or tree in folder.parents]
+        if any(os.path.samefile(folder, here) for folder in above):
+            raise ConversionError(f"{here} links back to a folder above it; remove the link loop from SRC.")
         for name in (*dirs, *files):
             check_inside_source(Path(root) / name, source_folder)
 

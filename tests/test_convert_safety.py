@@ -301,10 +301,23 @@ def test_links_inside_src_are_copied_as_files(tmp_path, capsys):
     (src / "originals").mkdir()
     (src / "originals" / "LICENSE.txt").write_text("Apache-2.0")
     (src / "LICENSE").symlink_to("originals/LICENSE.txt")
+    (src / "originals" / "tool_use.jinja").write_text("{{ tools }}")
+    (src / "additional_chat_templates").mkdir()
+    (src / "additional_chat_templates" / "tool_use.jinja").symlink_to(Path("..", "originals", "tool_use.jinja"))
+    (src / "additional_chat_templates" / "same").symlink_to(Path("..", "originals"))
+    (src / "additional_chat_templates" / "again").symlink_to(Path("..", "originals"))  # twice, but no loop
     status, _, err = convert(capsys, src, tmp_path / "out", "--no-verify")
     assert status == 0, err
-    copied = tmp_path / "out" / "LICENSE"
-    assert not copied.is_symlink() and copied.read_text() == "Apache-2.0"
+    out = tmp_path / "out"
+    for copied, text in [("LICENSE", "Apache-2.0"), ("additional_chat_templates/tool_use.jinja", "{{ tools }}"),
+                         ("additional_chat_templates/again/LICENSE.txt", "Apache-2.0")]:  # fmt: skip
+        assert not (out / copied).is_symlink() and (out / copied).read_text() == text
+    assert not any(path.is_symlink() for path in out.rglob("*"))
+
+    (src / "additional_chat_templates" / "loop").symlink_to(Path(".."))  # links to a folder above it
+    status, _, err = convert(capsys, src, tmp_path / "out2", "--no-verify")
+    assert_one_line_error(status, err, "links back to a folder above it")
+    assert not (tmp_path / "out2").exists() and not leftovers(tmp_path)
 
 
 def hf_cache_snapshot(cache: Path, repo_id: str) -> Path:
