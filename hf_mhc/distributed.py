@@ -214,11 +214,13 @@ def split_pipeline(
 
     Tied embeddings (``lm_head.weight is embed_tokens.weight``) live on the first and the last stage. With more than
     one stage this raises unless ``untie_word_embeddings=True``, which gives the last stage its own copy of
-    ``lm_head`` (a separate parameter from then on, as with ``tie_word_embeddings=False``).
+    ``lm_head`` (a separate parameter from then on, as with ``tie_word_embeddings=False``: set
+    ``model.config.tie_word_embeddings`` and ``model.config.backbone_config.tie_word_embeddings`` to ``False``
+    before saving the merged stage state dicts, as ``examples/pipeline_finetune.py`` does).
 
     Example (two ranks, one stage each)::
 
-        stages = split_pipeline(model, num_stages=2)
+        stages = split_pipeline(model, num_stages=2, untie_word_embeddings=True)  # a no-op for untied embeddings
         stage = PipelineStage(stages[rank], rank, 2, device)
         schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=loss_fn)
         schedule.step(input_ids) if rank == 0 else schedule.step(target=labels, losses=losses)
@@ -238,8 +240,8 @@ def split_pipeline(
     if num_stages > 1 and lm_head.weight is model.model.embed_tokens.weight:
         if not untie_word_embeddings:
             raise ValueError(
-                "lm_head is tied to embed_tokens, which sit on different stages: pass untie_word_embeddings=True "
-                "to give the last stage its own copy."
+                f"lm_head is tied to embed_tokens, which sit on different stages: call split_pipeline(model, "
+                f"{num_stages}, untie_word_embeddings=True) to give the last stage its own copy of lm_head."
             )
         lm_head = copy.deepcopy(lm_head)
     return [

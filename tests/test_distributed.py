@@ -8,6 +8,7 @@ tests read its output.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -20,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import FAMILIES, VOCAB, tiny_backbone_config
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_mhc import MHCConfig, MHCForCausalLM, MHCModel
 from hf_mhc.distributed import apply_fsdp2, pipeline_layer_split, split_pipeline
@@ -244,8 +246,9 @@ def test_more_stages_than_layers_is_a_one_line_error():
 def test_tied_embeddings_raise_or_give_the_last_stage_its_own_lm_head():
     model = tiny_mhc(num_layers=2, tie_word_embeddings=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    with pytest.raises(ValueError, match="untie_word_embeddings=True"):
+    with pytest.raises(ValueError, match=r"call split_pipeline\(model, 2, untie_word_embeddings=True\)") as error:
         split_pipeline(model, 2)
+    assert "\n" not in str(error.value)
     single = split_pipeline(model, 1)[0]
     assert single.lm_head.weight is single.model.embed_tokens.weight  # one stage keeps the tie
 
@@ -297,3 +300,69 @@ def pipeline_launch(tmp_path_factory) -> str:
 def test_pipeline_schedule_matches_one_process(schedule, pipeline_launch):
     line = next((line for line in pipeline_launch.splitlines() if line.startswith(f"{schedule}: loss")), None)
     assert line is not None and "parameters match" in line, pipeline_launch[-3000:]
+
+
+# --- the torchrun examples ------------------------------------------------------------------------------------------
+
+
+def example_module(name: str):
+    """``examples/<name>.py`` imported as a module (its helpers, without running it)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def changed_parameters(trained: torch.nn.Module, initial: torch.nn.Module) -> set[str]:
+    initial_state = initial.state_dict()
+    assert set(trained.state_dict()) == set(initial_state)
+    return {name for name, tensor in trained.state_dict().items() if not torch.equal(tensor, initial_state[name])}
+
+
+@needs_distributed
+def test_fsdp2_example_trains_and_saves_an_ordinary_mhc_folder(tmp_path):
+    out = tmp_path / "out"
+    output = torchrun(EXAMPLES / "fsdp2_finetune.py", "--steps", "2", "--batch-size", "2", "--block-size", "32",
+                      "--output-dir", str(out), cwd=tmp_path)
+    assert "step 2/2: loss" in output and f"saved {out}" in output, output[-3000:]
+    assert_ordinary_mhc_folder(out)
+    example = example_module("fsdp2_finetune")
+    _, args = example.parse_args("", ["--output-dir", str(tmp_path / "unused")], "")
+    initial, _, _ = example.load_model(args)  # the default model the run started from
+    trained = AutoModelForCausalLM.from_pretrained(out)
+    AutoTokenizer.from_pretrained(out)
+    assert type(trained) is MHCForCausalLM
+    changed = changed_parameters(trained, initial)
+    assert "model.layers.0.attn_hc.fn" in changed and "model.layers.0.mlp.up_proj.weight" in changed
+
+
+@needs_distributed
+def test_pipeline_example_trains_a_tied_model_and_saves_it_untied(tmp_path):
+    example = example_module("fsdp2_finetune")
+    initial, tokenizer = example.tiny_model(seed=0)  # also the examples' default without ../shared/assets
+    assert initial.lm_head.weight is initial.model.embed_tokens.weight
+    source, out = tmp_path / "tiny", tmp_path / "out"
+    initial.save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    output = torchrun(EXAMPLES / "pipeline_finetune.py", "--model", str(source), "--steps", "2", "--batch-size", "4",
+                      "--microbatches", "2", "--block-size", "32", "--output-dir", str(out), cwd=tmp_path)
+    assert "step 2/2: loss" in output and f"saved {out}" in output, output[-3000:]
+    assert_ordinary_mhc_folder(out)
+    trained = AutoModelForCausalLM.from_pretrained(out)
+    assert not trained.config.tie_word_embeddings and trained.lm_head.weight is not trained.model.embed_tokens.weight
+    changed = changed_parameters(trained, initial)
+    # Both stages trained; the last stage's lm_head copy moved apart from the embedding.
+    assert {"model.embed_tokens.weight", "model.layers.1.ffn_hc.fn", "lm_head.weight"} <= changed
+    assert not torch.equal(trained.lm_head.weight, trained.model.embed_tokens.weight)
+
+
+def test_the_examples_refuse_a_non_empty_output_dir_and_a_missing_model(tmp_path, capsys):
+    example = example_module("fsdp2_finetune")
+    (tmp_path / "old.txt").write_text("kept")
+    with pytest.raises(SystemExit):
+        example.parse_args("", ["--output-dir", str(tmp_path)], "")
+    assert "is not empty: pass --overwrite" in capsys.readouterr().err
+    assert (tmp_path / "old.txt").read_text() == "kept"
+    with pytest.raises(SystemExit):
+        example.parse_args("", ["--output-dir", str(tmp_path / "new"), "--model", str(tmp_path / "missing")], "")
+    assert "no such folder" in capsys.readouterr().err
