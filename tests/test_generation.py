@@ -150,3 +150,20 @@ def test_return_dict_false_returns_tuples():
     assert isinstance(causal, tuple)
     loss, logits = causal[:2]
     assert loss.ndim == 0 and logits.shape == (2, PROMPT_LENGTH, VOCAB)
+
+
+def test_config_reads_and_writes_the_backbone_settings(tmp_path):
+    model = random_mhc()
+    config = model.config
+    assert config.get_text_config() is config.get_text_config(decoder=True) is config.backbone_config
+    assert (config.vocab_size, config.hidden_size, config.num_attention_heads) == (VOCAB, 32, 4)
+    config.use_cache = False  # as Trainer does under gradient checkpointing: the model must follow it
+    assert config.backbone_config.use_cache is False and "use_cache" not in config.to_dict()
+    with torch.no_grad():
+        assert model(prompt()).cache is None
+    with pytest.raises(AttributeError, match="no attribute 'hc_mlt'"):
+        config.hc_mlt  # noqa: B018
+    model.save_pretrained(tmp_path)
+    reloaded = MHCForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.config.use_cache is False and reloaded.config.backbone_config.use_cache is False
+    assert reloaded.config.vocab_size == VOCAB
