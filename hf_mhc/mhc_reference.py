@@ -1,4 +1,4 @@
-"""Plain-torch mHC maps: the reference formula of DESIGN §3, the one place this math is written.
+"""Plain-torch mHC maps: the reference formula (stated in the README, "The math"), the one place this math is written.
 
 Shapes: streams ``X`` are ``[..., n, C]`` (usually ``[B, T, n, C]``) in the model dtype; every
 coefficient is computed in float32 whatever that dtype is. This file ships flat beside

@@ -3,7 +3,7 @@
 Decoder layers reuse the backbone family's own attention, MLP, RMSNorm and rotary modules, so every backbone
 tensor keeps its name (``model.layers.0.self_attn.q_proj.weight``). Only the residual wiring is new: the hidden
 state is ``hc_mult`` streams ``[B, T, n, C]``, mixed around each sublayer by ``attn_hc`` / ``ffn_hc`` and read
-out by ``model.hc_head`` (DESIGN §3; names and numerics as transformers' DeepSeek-V4).
+out by ``model.hc_head`` (the formulas are in ``mhc_reference.py``; names and numerics as transformers' DeepSeek-V4).
 
 This file, ``configuration_mhc.py`` and ``mhc_reference.py`` are copied flat into saved checkpoints, so a
 machine without ``hf_mhc`` can load them with ``trust_remote_code=True``.
@@ -228,7 +228,7 @@ def _logit(p: float) -> float:
 
 
 def function_preserving_hc_base(config: MHCConfig, sublayer_index: int) -> torch.Tensor:
-    """``base [(n+2)*n]`` of the function-preserving initialisation (DESIGN §4), with ``fn = 0``.
+    """``base [(n+2)*n]`` of the function-preserving initialisation, with ``fn = 0``.
 
     ``pre = 1/n`` exactly and ``comb_b = c·I``. A symmetric ``comb`` has equal row and column sums ``s``, which the
     ``hc_eps`` terms of Sinkhorn make ``1 - O(hc_eps)``, so each site scales the stream mean by ``s``. The ``post``

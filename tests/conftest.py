@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 # The op tests run on TEST_DEVICE: "cpu" (default) runs the Triton kernels in the interpreter, which must be switched
-# on before any @triton.jit is evaluated (DESIGN §7); HF_MHC_TEST_DEVICE=cuda runs them compiled, on a GPU.
+# on before any @triton.jit is evaluated; HF_MHC_TEST_DEVICE=cuda runs them compiled, on a GPU.
 TEST_DEVICE = os.environ.get("HF_MHC_TEST_DEVICE", "cpu")
 if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
