@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 from conftest import tiny_backbone_config
-from test_distributed import torchrun
+from test_distributed import WORKERS, torchrun
 
 from hf_mhc import MHCConfig, MHCForCausalLM
 
@@ -26,5 +26,5 @@ def test_mhc_config_advertises_the_backbones_tp_plan():
 def test_tp_size_2_matches_one_process(tmp_path):
     config = MHCConfig(backbone_config=tiny_backbone_config("llama", vocab_size=96), hc_mult=3, hc_init="deepseek_v4")
     MHCForCausalLM(config).save_pretrained(tmp_path / "checkpoint")
-    output = torchrun("tp_worker.py", str(tmp_path / "checkpoint"), cwd=tmp_path)
+    output = torchrun(WORKERS / "tp_worker.py", str(tmp_path / "checkpoint"), cwd=tmp_path)
     assert output.count("tensor-parallel logits and gradients match") == 2
