@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+import torch.utils._device
 from conftest import TEST_DEVICE
 
 from hf_mhc.kernels import (
@@ -94,6 +95,10 @@ def on_test_device():
 @pytest.fixture(autouse=True)
 def nan_poisoned_buffers(monkeypatch):
     """Every floating-point ``torch.empty`` / ``torch.empty_like`` during a test starts out as NaN."""
+    # torch's device contexts (`set_default_device`, `with torch.device("meta")`) know the factory functions by
+    # identity, from a set cached on first use. Filled while the stand-ins are in place, it would hold them and ignore
+    # the real torch.empty for the rest of the process: later tests then build "meta" models on the CPU.
+    torch.utils._device._device_constructors()
     real_empty, real_empty_like = torch.empty, torch.empty_like
 
     def poison(tensor):
