@@ -31,7 +31,7 @@ class MHCConfig(PreTrainedConfig):
         hc_sinkhorn_iters (`int`, defaults to 20): Sinkhorn-Knopp iterations for `comb`, 1 to 100.
             DeepSeek-V4 uses 20. Each iteration is two normalisations per token per site in forward, replayed in
             backward; the Triton backward recomputes every earlier iterate at each step, so its work grows with
-            `iters²` (26x the default's at 100). Above 100 the extra accuracy does not pay: measured in float32 on
+            `iters²` (about 25x the default's at 100). Above 100 the extra accuracy does not pay: measured in float32 on
             4096 tokens, n = 4, logits of size about 1 reach float32's limit by 50 iterations (row sums within
             1.1e-6 of 1, as after 1000), and for peaked logits (size 3 to 30) Sinkhorn converges only like 1/iters
             (largest row-sum error 0.06-0.08 at 20, 0.006-0.012 at 100, 0.0003-0.001 at 1000), while the torch
