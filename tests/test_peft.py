@@ -145,7 +145,8 @@ def test_an_adapter_of_an_in_memory_model_gets_a_clear_error_and_save_adapter_ba
 
     source = LlamaForCausalLM(tiny_backbone_config("llama"))
     lora_on(hf_mhc.upcycle(source, hc_mult=2)).save_pretrained(tmp_path / "orphan")
-    assert json.loads((tmp_path / "orphan" / "adapter_config.json").read_text())["base_model_name_or_path"] is None
+    orphan_config = json.loads((tmp_path / "orphan" / "adapter_config.json").read_text())
+    assert orphan_config["base_model_name_or_path"] in (None, "")  # null with PEFT 0.21, "" before
     capsys.readouterr()
     assert inspect_main([str(tmp_path / "orphan")]) == 1
     message = capsys.readouterr().err
