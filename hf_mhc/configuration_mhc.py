@@ -91,6 +91,12 @@ class MHCConfig(PreTrainedConfig):
             _check_backbone_type(self.backbone_config.get("model_type"))
         super().__post_init__(**kwargs)
         _check_backbone_type(self.backbone_config.model_type)
+        self._check_hc_values()
+        # One source of truth for tying: the backbone's own flag, mirrored where transformers looks for it.
+        self.tie_word_embeddings = bool(getattr(self.backbone_config, "tie_word_embeddings", False))
+
+    def _check_hc_values(self) -> None:
+        """One-line ``ValueError`` for the first mHC value out of range or of the wrong type."""
         _check_integer("hc_mult", self.hc_mult, MAX_HC_MULT)
         _check_integer("hc_sinkhorn_iters", self.hc_sinkhorn_iters, MAX_SINKHORN_ITERS,
                        why=" (each iteration is two normalisations per token per site, replayed in backward, and "
@@ -108,8 +114,6 @@ class MHCConfig(PreTrainedConfig):
             raise ValueError("hc_init_dynamic_scale must be non-zero, or fn (initialised to 0) never gets a gradient.")
         if not isinstance(self.hc_recompute, bool):
             raise ValueError(f"hc_recompute must be True or False, got {self.hc_recompute!r}.")
-        # One source of truth for tying: the backbone's own flag, mirrored where transformers looks for it.
-        self.tie_word_embeddings = bool(getattr(self.backbone_config, "tie_word_embeddings", False))
 
     # The backbone's own settings (vocab_size, hidden_size, num_attention_heads, use_cache, ...) read and write through
     # the mHC config too, as on any transformers config: `config.vocab_size` is `config.backbone_config.vocab_size`.
@@ -128,6 +132,17 @@ class MHCConfig(PreTrainedConfig):
             and name in type(backbone).__dataclass_fields__
         ):
             setattr(backbone, name, value)
+        elif name.startswith("hc_") and isinstance(backbone, PreTrainedConfig):
+            # A value set after construction (also `from_pretrained(path, hc_...=...)`) is checked like one passed to
+            # the constructor; a refused one leaves the config as it was.
+            check_hc_options([name], type(self).__name__)
+            previous = self.__dict__.get(name, getattr(type(self), name))
+            super().__setattr__(name, value)
+            try:
+                self._check_hc_values()
+            except ValueError:
+                super().__setattr__(name, previous)
+                raise
         else:
             super().__setattr__(name, value)
 

@@ -35,9 +35,7 @@ def test_round_trip_through_json(tmp_path):
     assert loaded.tie_word_embeddings is True
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
+INVALID_VALUES = [
         (dict(hc_mult=0), "hc_mult must be an integer from 1 to 8"),
         (dict(hc_mult=9), "hc_mult must be an integer from 1 to 8"),
         (dict(hc_mult="4"), "hc_mult must be an integer from 1 to 8, got '4'"),
@@ -61,15 +59,43 @@ def test_round_trip_through_json(tmp_path):
         (dict(hc_init_dynamic_scale=0.0), "hc_init_dynamic_scale must be non-zero"),
         (dict(hc_recompute="yes"), "hc_recompute must be True or False, got 'yes'"),
         (dict(hc_recompute=1), "hc_recompute must be True or False, got 1"),
-    ],
-    ids=lambda value: "-".join(f"{k}={v!r}" for k, v in value.items()) if isinstance(value, dict) else None,
-)
+]
+
+
+def _case_id(value):
+    return "-".join(f"{k}={v!r}" for k, v in value.items()) if isinstance(value, dict) else None
+
+
+@pytest.mark.parametrize(("kwargs", "message"), INVALID_VALUES, ids=_case_id)
 def test_invalid_values_raise_value_error(kwargs, message):
     """Wrong values and wrong types alike: one ``ValueError`` line (``@strict`` checks no types here: the field
     annotations are strings under ``from __future__ import annotations``, which huggingface_hub skips)."""
     with pytest.raises(ValueError, match=message) as error:
         MHCConfig(backbone_config=tiny_backbone_config("llama"), **kwargs)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [case for case in INVALID_VALUES if len(case[0]) == 1], ids=_case_id)
+def test_invalid_values_set_later_or_passed_to_from_pretrained_are_refused(kwargs, message, tmp_path):
+    """transformers applies ``from_pretrained(path, **kwargs)`` with ``setattr``: checked like the constructor's, and
+    a refused value leaves the config as it was."""
+    config = MHCConfig(backbone_config=tiny_backbone_config("llama"))
+    before = config.to_dict()
+    ((name, value),) = kwargs.items()
+    with pytest.raises(ValueError, match=message):
+        setattr(config, name, value)
+    assert config.to_dict() == before
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        AutoConfig.from_pretrained(tmp_path, **kwargs)
+
+
+def test_valid_values_set_later_are_kept_and_misspelt_ones_refused():
+    config = MHCConfig(backbone_config=tiny_backbone_config("llama"))
+    config.hc_sinkhorn_iters, config.hc_recompute = 7, True
+    assert (config.hc_sinkhorn_iters, config.hc_recompute) == (7, True)
+    with pytest.raises(ValueError, match="did you mean 'hc_sinkhorn_iters'"):
+        config.hc_sinkhorn_iter = 5
 
 
 def test_sinkhorn_iterations_up_to_the_cap_are_accepted():
