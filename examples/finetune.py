@@ -9,7 +9,8 @@
 --model: an mHC checkpoint, or with --upcycle a residual Llama / Mistral / Qwen2 / Qwen3 one, converted on the fly
 (function-preserving, so training starts from the source model's exact behaviour). Default:
 ../shared/assets/stories260K (a real pretrained Llama, upcycled) when that folder exists.
---dataset: a Hugging Face Hub dataset id, or local .txt / .json / .jsonl / .csv / .parquet files (a path or a glob).
+--dataset: a Hugging Face Hub dataset id, or local .txt / .json / .jsonl / .csv / .parquet files (a path, a glob or
+a folder of them; null and empty texts are skipped).
 Default: Jane Austen's novels from ../shared/assets/janeausten/*.txt when present, else Python's own help texts
 (pydoc_data). Texts are tokenised, joined with EOS and cut into --block-size token blocks.
 
@@ -24,8 +25,9 @@ Trainer checkpoint goes to OUTPUT_DIR/checkpoint-STEP (the last --save-total-lim
 same command with --resume to continue from the last one.
 
 --overwrite reuses the folder of an earlier run: before training it deletes that run's model, adapter and tokenizer
-files, its PEFT model card, merged/, upcycled_base/ and checkpoint-*/ (so that no stale adapter_config.json or weight
-shard can mix into the new result), lists what it deleted, and keeps every other file. It refuses a folder that holds
+files (with the mHC code files saved beside a model), its PEFT model card, merged/, upcycled_base/ and checkpoint-*/
+(so that no stale adapter_config.json or weight shard can mix into the new result), lists what it deleted, and keeps
+every other file. It refuses a folder that holds
 no model, adapter or Trainer output, and the working directory or the home folder.
 
 Bad input (a missing path, unusable dataset files or texts, an unwritable or non-empty --output-dir, a --report-to

@@ -299,6 +299,8 @@ def test_paths_data_and_integrations_are_checked_before_training(
     (data / "broken.jsonl").write_text('{"text": "a"}\n{"text": \n')
     (data / "numbers.jsonl").write_text('{"text": 1}\n{"text": 2}\n')
     (data / "lists.jsonl").write_text('{"text": ["a", "b"]}\n')
+    (data / "no_texts").mkdir()
+    (data / "no_texts" / "README").write_text("x")
     out = ["--output-dir", str(tmp_path / "out")]
     cases = {
         "empty.txt": "empty file",
@@ -307,6 +309,7 @@ def test_paths_data_and_integrations_are_checked_before_training(
         "lists.jsonl": "not text",
         "nothing*.txt": "no file matches",
         "missing.txt": "no such file or folder",
+        "no_texts": "files in this folder",
     }
     for name, expected in cases.items():
         message = usage_error(example, tiny_run(tiny_llama_dir, data / name, *out), capsys)
