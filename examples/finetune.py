@@ -306,6 +306,28 @@ def resume_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace,
     return str(checkpoint)
 
 
+def check_resume_fits(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoint: str,
+                      model: hf_mhc.MHCForCausalLM) -> None:
+    """Refuse to resume from a checkpoint of a differently shaped model (another --model or --hc-mult)."""
+    folder = Path(checkpoint)
+    if (folder / "adapter_config.json").is_file():  # a LoRA checkpoint: its base holds the model's config
+        folder = Path(json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+                      .get("base_model_name_or_path") or "")
+    try:
+        saved = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError):
+        return  # nothing to compare with: the Trainer reports what does not load
+
+    def shape(config) -> dict[str, int]:
+        text = config.get_text_config()
+        return {"hc_mult": config.hc_mult, **{name: getattr(text, name) for name in (
+            "num_hidden_layers", "hidden_size", "vocab_size")}}
+
+    if getattr(saved, "model_type", None) == "mhc" and shape(saved) != shape(model.config):
+        parser.error(f"--resume {checkpoint} holds a model with {shape(saved)}, but --model {args.model} gives "
+                     f"{shape(model.config)}: pass the --model and --hc-mult of that run")
+
+
 def check_report_to(parser: argparse.ArgumentParser, names: list[str]) -> None:
     """Refuse a --report-to integration that transformers does not know or that is not installed."""
     from transformers.integrations.integration_utils import (
@@ -474,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = resume_checkpoint(parser, args, out)
     check_report_to(parser, args.report_to)
     model = load_model(parser, args)
+    if checkpoint is not None:
+        check_resume_fits(parser, args, checkpoint, model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     except (OSError, ValueError) as exc:

@@ -348,6 +348,10 @@ def test_a_crash_keeps_the_checkpoints_and_resume_continues_from_the_last(
         example.main([*lora, "--output-dir", str(crashed)])
     assert sorted(path.name for path in crashed.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
 
+    wrong_streams = [*lora[:lora.index("--hc-mult") + 1], "3", *lora[lora.index("--hc-mult") + 2:]]
+    assert "pass the --model and --hc-mult of that run" in usage_error(
+        example, [*wrong_streams, "--output-dir", str(crashed), "--resume"], capsys
+    )
     steps.clear()
     crash_at.clear()
     assert example.main([*lora, "--output-dir", str(crashed), "--resume"]) == 0
