@@ -113,15 +113,9 @@ class MHCHyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams [B, T, n, C]`` -> the sublayer input ``[B, T, C]`` (``pre`` collapse), ``post [B, T, n]`` and
-        ``comb [B, T, n, n]`` (float32), in one op. None of them is a view while gradients are recorded."""
-        outputs = mhc_coeffs_pre(streams, self.fn, self.base, self.scale, **self._map_settings())
-        if not torch.is_grad_enabled():
-            return outputs
-        # This module is an FSDP2 unit of its own (apply_fsdp2, or auto-wrapping by _no_split_modules), and FSDP2
-        # hooks a unit's outputs for backward: an in-place op on a view output would drop the hook and skip the
-        # all-gather. Some kernels return views of a larger buffer (the float32 torch collapse, the Triton maps):
-        # those are copied.
-        return tuple(output.clone() if output._base is not None else output for output in outputs)
+        ``comb [B, T, n, n]`` (float32), in one op. None of them is a view: this module is an FSDP2 unit of its own,
+        and FSDP2's pre-backward hook on a view output can be lost to an in-place op."""
+        return mhc_coeffs_pre(streams, self.fn, self.base, self.scale, **self._map_settings())
 
     def maps(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The site's maps alone: ``pre [B, T, n]``, ``post [B, T, n]``, ``comb [B, T, n, n]`` (float32)."""
@@ -145,10 +139,8 @@ class MHCHyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        """``streams [B, T, n, C]`` -> ``[B, T, C]`` (streams' dtype); not a view while gradients are recorded."""
-        output = mhc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, eps=self.hc_eps, norm_eps=self.norm_eps)
-        # An FSDP2 unit's output must not be a view (see MHCHyperConnection.forward).
-        return output.clone() if output._base is not None and torch.is_grad_enabled() else output
+        """``streams [B, T, n, C]`` -> ``[B, T, C]`` (streams' dtype), not a view (see MHCHyperConnection)."""
+        return mhc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, eps=self.hc_eps, norm_eps=self.norm_eps)
 
 
 class MHCDecoderLayer(GradientCheckpointingLayer):

@@ -182,11 +182,14 @@ def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head)
     x = streams.reshape(-1, n * hidden).contiguous()
     tokens = x.shape[0]
     n_mix = n if head else (n + 2) * n
-    mix = torch.empty(tokens, n_mix, device=x.device, dtype=torch.float32)
-    rstd = torch.empty(tokens, device=x.device, dtype=torch.float32)
-    pre = torch.empty(tokens, n, device=x.device, dtype=torch.float32)
-    post = torch.empty(0 if head else tokens * n, device=x.device, dtype=torch.float32)
-    comb = torch.empty(0 if head else tokens * n * n, device=x.device, dtype=torch.float32)
+    lead = streams.shape[:-2]
+
+    def per_token(*shape):  # allocated in the final shape: the results are not views (FSDP2 units, autograd)
+        return torch.empty(*lead, *shape, device=x.device, dtype=torch.float32)
+
+    mix, rstd, pre = per_token(n_mix), per_token(), per_token(n)
+    post = x.new_empty(0, dtype=torch.float32) if head else per_token(n)
+    comb = x.new_empty(0, dtype=torch.float32) if head else per_token(n, n)
     grid, block = launch_grid(tokens, COEFFS_BLOCK_T)
     _mhc_coeffs_fwd_kernel[grid](
         x, fn.contiguous(), base.float().contiguous(), scale.float().contiguous(), mix, rstd, pre, post, comb,
@@ -194,10 +197,9 @@ def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head)
         N=n, NV=_vector_width(n), NP=padded_streams(n), N_MIX=n_mix, ITERS=iters, HEAD=head,
         BLOCK_T=block, BLOCK_K=_block_k(n_mix),
     )
-    lead = streams.shape[:-2]
     if head:
-        return pre.view(*lead, n), mix.view(*lead, n_mix), rstd.view(lead)
-    return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n), mix.view(*lead, n_mix), rstd.view(lead)
+        return pre, mix, rstd
+    return pre, post, comb, mix, rstd
 
 
 def _mix_torch(streams, fn, norm_eps):

@@ -88,7 +88,10 @@ def _pre_backward_triton(streams, pre, grad_out, write_grad_x):
 
 
 def _collapse_torch(x, pre):
-    return (torch.matmul(pre.float().unsqueeze(-2), x.float()).squeeze(-2),)
+    """``y [..., C] = sum_i pre[i] X[i]`` in float32, written into a tensor of its own (not a view)."""
+    out = x.new_empty(*x.shape[:-2], x.shape[-1], dtype=torch.float32)
+    torch.matmul(pre.float().unsqueeze(-2), x.float(), out=out.unsqueeze(-2))
+    return (out,)
 
 
 def _collapse_backward_torch(x, pre, grad_out):

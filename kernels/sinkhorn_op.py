@@ -149,24 +149,24 @@ SINKHORN_BLOCK_T = 16
 def sinkhorn_forward_triton(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     n = logits.shape[-1]
     flat = logits.reshape(-1, n, n).float().contiguous()
-    comb = torch.empty_like(flat)
+    comb = torch.empty(logits.shape, device=flat.device, dtype=torch.float32)  # the final shape: not a view
     grid, block = launch_grid(flat.shape[0], SINKHORN_BLOCK_T)
     _sinkhorn_fwd_kernel[grid](
         flat, comb, flat.shape[0], eps, N=n, NP=padded_streams(n), ITERS=iters, BLOCK_T=block
     )
-    return comb.view(logits.shape)
+    return comb
 
 
 def sinkhorn_backward_triton(logits: torch.Tensor, grad_comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     n = logits.shape[-1]
     flat = logits.reshape(-1, n, n).float().contiguous()
     grad = grad_comb.reshape(-1, n, n).float().contiguous()
-    grad_logits = torch.empty_like(flat)
+    grad_logits = torch.empty(logits.shape, device=flat.device, dtype=torch.float32)
     grid, block = launch_grid(flat.shape[0], SINKHORN_BLOCK_T)
     _sinkhorn_bwd_kernel[grid](
         flat, grad, grad_logits, flat.shape[0], eps, N=n, NP=padded_streams(n), ITERS=iters, BLOCK_T=block
     )
-    return grad_logits.view(logits.shape)
+    return grad_logits
 
 
 # --- the op: one autograd definition, two kernel backends ----------------------------------------------------------

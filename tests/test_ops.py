@@ -216,6 +216,29 @@ def test_map_token_chunks_writes_every_chunk_like_one_call(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_op_outputs_are_not_views(backend, dtype):
+    """An FSDP2 unit (each HC module is one) must not return a view: an in-place op on it drops the unit's
+    pre-backward hook and skips the all-gather, and torch warns. Every result of the public ops is a tensor of its
+    own, on both backends."""
+    x = leaf(torch.randn(1, 6, 4, 16).to(dtype))
+    fn, base, scale = (leaf(t) for t in random_hc_params(4, 16))
+    settings = dict(sinkhorn_iters=ITERS, eps=HC_EPS, norm_eps=NORM_EPS, backend=backend)
+    pre, post, comb = mhc_coeffs(x, fn, base, scale, **settings)
+    results = {
+        "mhc_coeffs": (pre, post, comb),
+        "mhc_coeffs_pre": mhc_coeffs_pre(x, fn, base, scale, **settings),
+        "mhc_pre": (mhc_pre(x, pre, backend=backend),),
+        "mhc_post_res": (mhc_post_res(x, torch.randn_like(x[..., 0, :]), post, comb, backend=backend),),
+        "mhc_head": (mhc_head(x, fn[:4], base[:4], scale[:1], eps=HC_EPS, norm_eps=NORM_EPS, backend=backend),),
+        "sinkhorn": (sinkhorn(torch.randn(6, 4, 4, requires_grad=True), ITERS, HC_EPS, backend=backend),),
+    }
+    views = [f"{op}[{index}]" for op, outputs in results.items() for index, out in enumerate(outputs)
+             if out._base is not None]
+    assert not views, f"views: {views}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_stream_gradients_are_not_views(backend, dtype):
     """Autograd adds the stream gradients of a site's two nodes in place only into a tensor that is not a view;
     otherwise every site pays one more stream-sized allocation and pass (measured: +10 % on the site benchmark)."""
