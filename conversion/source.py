@@ -44,7 +44,7 @@ def resolve_source(src: str | Path, *, allow_pickle: bool = False) -> ResolvedSo
     """A local folder for ``src``: the folder itself, or a Hub id's snapshot (downloaded or from the cache).
 
     Like ``from_pretrained``, an existing path wins over a Hub id; a missing one that is written as a path
-    (:func:`looks_like_path`) is reported as a missing folder, not looked up on the Hub. From the Hub, the config,
+    (:func:`looks_like_local_path`) is reported as a missing folder, not looked up on the Hub. From the Hub, the config,
     index and tokenizer files come first, then only the weight files the index names (``*.bin`` only with
     ``allow_pickle``). With ``HF_HUB_OFFLINE=1`` the local Hub cache is used.
     """
@@ -55,7 +55,7 @@ def resolve_source(src: str | Path, *, allow_pickle: bool = False) -> ResolvedSo
         if not path.is_dir():
             raise ConversionError(f"SRC {str(src)!r} is a file; pass the checkpoint folder that holds its config.json.")
         return ResolvedSource(path)
-    if looks_like_path(os.fspath(src)):
+    if looks_like_local_path(os.fspath(src)):
         raise ConversionError(f"no such folder: {src} (SRC); pass an existing checkpoint folder.")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
@@ -79,13 +79,18 @@ def resolve_source(src: str | Path, *, allow_pickle: bool = False) -> ResolvedSo
     return ResolvedSource(folder, hub_id=str(src))
 
 
-def looks_like_path(src: str) -> bool:
-    """Whether ``src`` is written as a file-system path rather than a Hub id (``name`` or ``org/name``): it starts
-    with ``.``, ``/`` or ``~``, is absolute, has more than one ``/`` or a ``\\``, or its first component exists here
-    (``outputs/mergd`` beside a folder ``outputs``)."""
-    if src.startswith((".", "/", "~")) or os.path.isabs(src) or src.count("/") > 1 or "\\" in src:
+def looks_like_local_path(name: str) -> bool:
+    """Whether ``name`` means a local path rather than a Hugging Face Hub repo id (``name`` or ``org/name``).
+
+    True when it exists, is empty, starts with ``.``, ``/`` or ``~``, is absolute, has more than one ``/`` (or a
+    ``\\``), or when its first component exists here (``outputs/mergd`` beside a folder ``outputs``). Every entry point
+    (``hf-mhc``, the examples) uses it to say "no such folder" instead of a Hub repo-id or connection error.
+    """
+    if not name.strip() or name.startswith((".", "/", "~")) or os.path.isabs(name) or name.count("/") > 1:
         return True
-    return "/" in src and os.path.lexists(src.split("/")[0])
+    if "\\" in name:
+        return True
+    return os.path.lexists(os.path.expanduser(name)) or ("/" in name and os.path.lexists(name.split("/")[0]))
 
 
 def allowed_link_roots(folder: Path) -> tuple[Path, ...]:

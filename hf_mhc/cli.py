@@ -28,6 +28,7 @@ from pathlib import Path
 from . import __version__
 from .conversion import ConversionError, ConversionReport, convert_checkpoint
 from .conversion.convert import DEFAULT_MAX_SHARD_SIZE, DTYPES
+from .conversion.source import looks_like_local_path
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -73,17 +74,6 @@ def first_line(error: BaseException) -> str:
     """The first non-empty line of ``error``'s message (its type name when it has none)."""
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     return lines[0].strip() if lines else type(error).__name__
-
-
-def looks_like_local_path(name: str) -> bool:
-    """Whether ``name`` means a local path rather than a Hugging Face Hub repo id (``name`` or ``org/name``).
-
-    True when it exists, is empty, starts with ``.``, ``/`` or ``~``, has more than one ``/`` (or a ``\\``), or when
-    its first component exists here (``outputs/mergd`` with a folder ``outputs``).
-    """
-    if not name.strip() or name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name:
-        return True
-    return os.path.lexists(os.path.expanduser(name)) or ("/" in name and os.path.lexists(name.split("/")[0]))
 
 
 def folder_error(name: str) -> str | None:
