@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.dynamic_module_utils import custom_object_save
 
-from hf_mhc.configuration_mhc import SUPPORTED_BACKBONES, MHCConfig
+from hf_mhc.configuration_mhc import MHCConfig, check_backbone_type, check_hc_options
 from hf_mhc.modeling_mhc import AUTO_MAP, MHCForCausalLM, function_preserving_hc_tensors
 
 from .errors import ConversionError, VerificationError
@@ -145,6 +145,10 @@ def convert_checkpoint(
         A :class:`ConversionReport`. Raises :class:`ConversionError` on bad input, before ``out`` is touched, and
         when another conversion to ``out`` runs or ``out`` appeared or changed while converting.
     """
+    try:
+        check_hc_options(hc_options, "convert_checkpoint")
+    except ValueError as error:
+        raise ConversionError(str(error)) from None
     out = _output_path(out)
     max_shard_bytes = parse_size(max_shard_size)
     target_dtype = _parse_dtype(dtype)
@@ -348,11 +352,10 @@ def load_backbone_config(folder: Path) -> PreTrainedConfig:
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if model_type == MHCConfig.model_type:
         raise ConversionError(f"{folder} is already an mHC checkpoint; convert the residual model it came from.")
-    if model_type not in SUPPORTED_BACKBONES:
-        raise ConversionError(
-            f"{folder} is a {model_type!r} model; hf-mhc convert supports these architectures: "
-            f"{', '.join(SUPPORTED_BACKBONES)}."
-        )
+    try:
+        check_backbone_type(model_type)
+    except ValueError as error:
+        raise ConversionError(f"{folder}: {error}") from None
     architectures = raw.get("architectures") or []
     if architectures and not any(str(name).endswith("ForCausalLM") for name in architectures):
         raise ConversionError(

@@ -8,7 +8,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from hf_mhc.configuration_mhc import SUPPORTED_BACKBONES, MHCConfig, check_hc_options
+from hf_mhc.configuration_mhc import MHCConfig, check_backbone_type, check_hc_options
 from hf_mhc.modeling_mhc import HC_MODULE_NAMES, MHCForCausalLM, function_preserving_hc_tensors
 
 
@@ -21,11 +21,7 @@ def mhc_config_for(backbone_config, hc_mult: int = 4, **hc_options) -> MHCConfig
     """An :class:`MHCConfig` wrapping a copy of ``backbone_config`` (function-preserving initialisation).
     ``hc_options`` must be mHC fields (``ValueError`` naming the closest one otherwise)."""
     check_hc_options(hc_options, "mhc_config_for")
-    model_type = getattr(backbone_config, "model_type", None)
-    if model_type not in SUPPORTED_BACKBONES:
-        raise ValueError(
-            f"Cannot upcycle a {model_type!r} model; supported backbone families: {', '.join(SUPPORTED_BACKBONES)}."
-        )
+    check_backbone_type(getattr(backbone_config, "model_type", None))
     if hc_options.get("hc_init", "function_preserving") != "function_preserving":
         raise ValueError("Upcycling needs hc_init='function_preserving', the initialisation that keeps the function.")
     backbone = copy.deepcopy(backbone_config)

@@ -88,9 +88,9 @@ class MHCConfig(PreTrainedConfig):
         # there is a misspelt field, which would otherwise be stored and ignored.
         check_hc_options(kwargs, "MHCConfig", only_hc_prefixed=True)
         if isinstance(self.backbone_config, dict):
-            _check_backbone_type(self.backbone_config.get("model_type"))
+            check_backbone_type(self.backbone_config.get("model_type"))
         super().__post_init__(**kwargs)
-        _check_backbone_type(self.backbone_config.model_type)
+        check_backbone_type(self.backbone_config.model_type)
         self._check_hc_values()
         # One source of truth for tying: the backbone's own flag, mirrored where transformers looks for it.
         self.tie_word_embeddings = bool(getattr(self.backbone_config, "tie_word_embeddings", False))
@@ -159,7 +159,8 @@ class MHCConfig(PreTrainedConfig):
         return getattr(self.backbone_config, "base_model_tp_plan", None)
 
 
-def _check_backbone_type(model_type: str | None) -> None:
+def check_backbone_type(model_type: str | None) -> None:
+    """The one message for a backbone family mHC does not support (config, modeling, upcycling, conversion)."""
     if model_type not in SUPPORTED_BACKBONES:
         raise ValueError(
             f"Unsupported mHC backbone {model_type!r}; supported backbone families: {', '.join(SUPPORTED_BACKBONES)}."
@@ -197,4 +198,4 @@ def check_hc_options(names: Iterable[str], owner: str, *, only_hc_prefixed: bool
 
 MHCConfig.register_for_auto_class()
 
-__all__ = ["MHCConfig", "SUPPORTED_BACKBONES"]
+__all__ = ["MHCConfig", "SUPPORTED_BACKBONES", "check_backbone_type"]

@@ -28,7 +28,7 @@ from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .configuration_mhc import MHCConfig
+from .configuration_mhc import MHCConfig, check_backbone_type
 
 try:  # the plugin's dispatching ops (fused kernels where available)
     from hf_mhc.kernels import mhc_coeffs, mhc_coeffs_pre, mhc_head, mhc_post_res, sinkhorn
@@ -53,12 +53,8 @@ _BACKBONE_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen
 
 def backbone_modules(model_type: str) -> BackboneModules:
     """Attention / MLP / RMSNorm / rotary classes of a supported backbone family."""
-    prefix = _BACKBONE_CLASS_PREFIX.get(model_type)
-    if prefix is None:
-        raise ValueError(
-            f"Unsupported mHC backbone {model_type!r}; supported backbone families: "
-            f"{', '.join(_BACKBONE_CLASS_PREFIX)}."
-        )
+    check_backbone_type(model_type)
+    prefix = _BACKBONE_CLASS_PREFIX[model_type]
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     return BackboneModules(
         attention=getattr(module, f"{prefix}Attention"),

@@ -234,6 +234,14 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_misspelt_mhc_option_of_the_python_api_names_the_function_and_writes_nothing(tmp_path):
+    save_source(tmp_path / "src")
+    with pytest.raises(ConversionError, match=r"^convert_checkpoint got an unknown mHC option 'hc_sinkhron_iters' "
+                                              r"\(did you mean 'hc_sinkhorn_iters'\?\)"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "out", hc_sinkhron_iters=3)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["src"]
+
+
 def test_existing_out_is_kept_without_overwrite_and_replaced_with_it(tmp_path, capsys):
     save_source(tmp_path / "src", "qwen2")
     out = tmp_path / "out"
