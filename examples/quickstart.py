@@ -130,7 +130,6 @@ def main(argv: list[str] | None = None) -> None:
     unusable = output_path_error(args.output_dir, folder=True)
     if unusable is not None:
         parser.error(f"--output-dir {args.output_dir}: {unusable}")
-    hf_logging.set_verbosity_error()
     started = time.perf_counter()
     torch.manual_seed(args.seed)
 
@@ -200,4 +199,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    hf_logging.set_verbosity_error()  # as a script only: main() called from Python leaves the caller's logging alone
     sys.exit(main())
