@@ -93,7 +93,7 @@ def test_cli_converts_each_family_exactly(tmp_path, capsys, small_chunks, family
     ids = torch.randint(0, VOCAB, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(converted(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
-    # Exactly the tensors that upcycling the same folder (a path, DESIGN §6) produces.
+    # Exactly the tensors that upcycling the same folder (given as a path) produces.
     upcycled = hf_mhc.upcycle(tmp_path / "src", hc_mult=3).state_dict()
     assert set(converted.state_dict()) == set(upcycled)
     for name, tensor in converted.state_dict().items():

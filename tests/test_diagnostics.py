@@ -45,7 +45,7 @@ def randomize_hc(model, fn_std=0.3, base_std=1.0):
 
 
 def reference_comb(streams, hc):
-    """float64 ``comb [..., n, n]`` of one HC site from the streams entering it, written out from DESIGN §3."""
+    """float64 ``comb [..., n, n]`` of one HC site from the streams entering it, written out from the formula."""
     n = streams.shape[-2]
     flat = streams.flatten(-2).double()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + hc.norm_eps)
