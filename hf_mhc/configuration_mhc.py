@@ -12,7 +12,75 @@ from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
-SUPPORTED_BACKBONES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+
+@dataclasses.dataclass(frozen=True)
+class BackboneWiring:
+    """How one backbone family wires its two sublayers (attention, then MLP or MoE block) into the residual stream.
+
+    Names are the family's own: modules of its decoder layer and attributes of its config. With ``x`` the
+    sublayer's (collapsed) input, the sublayer adds ``m · after(F(before(x)))`` to the residual, where ``before``
+    and ``after`` apply the named layer modules in order and ``m`` is the config's ``residual_multiplier`` (1 when
+    ``None``). Every other detail of a layer (attention kinds, rotary variants, NoPE layers, MoE or dense blocks,
+    q/k norms, biases) comes from the backbone's own decoder-layer constructor.
+
+    Attributes:
+        attention_before, attention_after, mlp_before, mlp_after: decoder-layer modules around each sublayer
+            (Llama: ``input_layernorm`` before attention, ``post_attention_layernorm`` before the MLP; Gemma 2/3
+            add sandwich norms after each sublayer; OLMo 2 has post-norms only).
+        residual_multiplier: config attribute scaling each sublayer output (Granite).
+        embedding_multiplier: config attribute multiplying the embeddings, also ``inputs_embeds`` (Granite).
+        embedding_scale_sqrt_hidden: token embeddings times ``sqrt(hidden_size)``, rounded to the weight dtype
+            (Gemma; ``inputs_embeds`` given by the caller are used as they are, as in Gemma).
+        logits_scaling: config attribute dividing the logits (Granite).
+        final_logit_softcapping: config attribute ``c``: logits ``c · tanh(logits / c)`` when it is set (Gemma).
+        final_norm_like: the decoder-layer norm whose class the final norm has.
+        refused_settings: config attributes that must be off: settings of the family that a causal mHC model does
+            not implement (Gemma 3's ``use_bidirectional_attention``).
+    """
+
+    attention_before: tuple[str, ...] = ("input_layernorm",)
+    attention_after: tuple[str, ...] = ()
+    mlp_before: tuple[str, ...] = ("post_attention_layernorm",)
+    mlp_after: tuple[str, ...] = ()
+    residual_multiplier: str | None = None
+    embedding_multiplier: str | None = None
+    embedding_scale_sqrt_hidden: bool = False
+    logits_scaling: str | None = None
+    final_logit_softcapping: str | None = None
+    final_norm_like: str = "post_attention_layernorm"
+    refused_settings: tuple[str, ...] = ()
+
+    @property
+    def pre_norm(self) -> bool:
+        """Whether each sublayer starts with a norm, which makes its input scale-free (see the README: for such
+        wiring the function-preserving initialisation reproduces the backbone to float32 rounding)."""
+        return bool(self.attention_before) and bool(self.mlp_before)
+
+
+PRE_NORM = BackboneWiring()
+
+# One entry per supported family (transformers' model_type); the decoder-layer classes come from transformers itself.
+BACKBONE_WIRINGS: dict[str, BackboneWiring] = {
+    "llama": PRE_NORM,
+    "mistral": PRE_NORM,
+    "qwen2": PRE_NORM,
+    "qwen3": PRE_NORM,
+    "smollm3": PRE_NORM,
+    "phi3": BackboneWiring(attention_after=("resid_attn_dropout",), mlp_after=("resid_mlp_dropout",)),
+    "granite": BackboneWiring(residual_multiplier="residual_multiplier", embedding_multiplier="embedding_multiplier",
+                              logits_scaling="logits_scaling"),
+    "gemma3_text": BackboneWiring(
+        attention_after=("post_attention_layernorm",),
+        mlp_before=("pre_feedforward_layernorm",),
+        mlp_after=("post_feedforward_layernorm",),
+        embedding_scale_sqrt_hidden=True,
+        final_logit_softcapping="final_logit_softcapping",
+        refused_settings=("use_bidirectional_attention",),
+    ),
+    "olmo2": BackboneWiring(attention_before=(), attention_after=("post_attention_layernorm",), mlp_before=(),
+                            mlp_after=("post_feedforward_layernorm",)),
+}
+SUPPORTED_BACKBONES: tuple[str, ...] = tuple(BACKBONE_WIRINGS)
 HC_INITS: tuple[str, ...] = ("function_preserving", "deepseek_v4")
 MAX_HC_MULT = 8
 # Why 100: see `hc_sinkhorn_iters` in MHCConfig's docstring (cost grows with iters, iters² in the Triton backward).
@@ -25,8 +93,10 @@ class MHCConfig(PreTrainedConfig):
 
     Args:
         backbone_config (`PreTrainedConfig` or `dict`):
-            The backbone family's own config (`LlamaConfig`, `MistralConfig`, `Qwen2Config`, `Qwen3Config`, or its
-            dict with a `model_type`). Attention, MLP, norms and rotary embedding are built from it.
+            The backbone family's own config (`LlamaConfig`, `Gemma3TextConfig`, ... of a family in
+            `SUPPORTED_BACKBONES`, or its dict with a `model_type`). The decoder layers, norms and rotary embedding
+            are built from it by the family's own transformers classes; `BACKBONE_WIRINGS` says how its sublayers
+            meet the residual stream.
         hc_mult (`int`, defaults to 4): number of residual streams `n`, 1 to 8.
         hc_sinkhorn_iters (`int`, defaults to 20): Sinkhorn-Knopp iterations for `comb`, 1 to 100.
             DeepSeek-V4 uses 20. Each iteration is two normalisations per token per site in forward, replayed in
@@ -90,7 +160,7 @@ class MHCConfig(PreTrainedConfig):
         if isinstance(self.backbone_config, dict):
             check_backbone_type(self.backbone_config.get("model_type"))
         super().__post_init__(**kwargs)
-        check_backbone_type(self.backbone_config.model_type)
+        check_backbone_type(self.backbone_config.model_type, self.backbone_config)
         self._check_hc_values()
         # One source of truth for tying: the backbone's own flag, mirrored where transformers looks for it.
         self.tie_word_embeddings = bool(getattr(self.backbone_config, "tie_word_embeddings", False))
@@ -159,12 +229,29 @@ class MHCConfig(PreTrainedConfig):
         return getattr(self.backbone_config, "base_model_tp_plan", None)
 
 
-def check_backbone_type(model_type: str | None) -> None:
-    """The one message for a backbone family mHC does not support (config, modeling, upcycling, conversion)."""
-    if model_type not in SUPPORTED_BACKBONES:
+def check_backbone_type(model_type: str | None, backbone_config: PreTrainedConfig | None = None,
+                        misfit: str | None = None) -> None:
+    """The one message for a backbone mHC does not support (config, modeling, upcycling, conversion): a family
+    without a wiring entry, a setting of ``backbone_config`` its entry refuses, or ``misfit``, a line naming what of
+    the family's modules does not fit the wiring."""
+    if model_type not in BACKBONE_WIRINGS:
+        misfit = misfit or "no wiring entry for this family"
+    elif backbone_config is not None and misfit is None:
+        wiring = BACKBONE_WIRINGS[model_type]
+        refused = [name for name in wiring.refused_settings if getattr(backbone_config, name, None)]
+        if refused:
+            misfit = f"{refused[0]}={getattr(backbone_config, refused[0])!r} does not fit a causal mHC model"
+    if misfit is not None:
         raise ValueError(
-            f"Unsupported mHC backbone {model_type!r}; supported backbone families: {', '.join(SUPPORTED_BACKBONES)}."
+            f"Unsupported mHC backbone {model_type!r} ({misfit}); supported backbone families: "
+            f"{', '.join(SUPPORTED_BACKBONES)}."
         )
+
+
+def backbone_wiring(model_type: str | None) -> BackboneWiring:
+    """The wiring entry of a supported family (``ValueError`` from :func:`check_backbone_type` otherwise)."""
+    check_backbone_type(model_type)
+    return BACKBONE_WIRINGS[model_type]
 
 
 def _check_integer(name: str, value, largest: int, why: str = "") -> None:
@@ -198,4 +285,5 @@ def check_hc_options(names: Iterable[str], owner: str, *, only_hc_prefixed: bool
 
 MHCConfig.register_for_auto_class()
 
-__all__ = ["MHCConfig", "SUPPORTED_BACKBONES", "check_backbone_type"]
+__all__ = ["BACKBONE_WIRINGS", "SUPPORTED_BACKBONES", "BackboneWiring", "MHCConfig", "backbone_wiring",
+           "check_backbone_type"]

@@ -25,6 +25,10 @@ from .modeling_mhc import (
     MHCModel,
     attention_masks,
     expand_to_streams,
+    rotary_embeddings,
+    run_decoder_layers,
+    scale_embeddings,
+    scale_logits,
 )
 
 if TYPE_CHECKING:
@@ -115,6 +119,7 @@ class _StageTrunk(nn.Module):
         self.hc_head: MHCHyperHead | None = source.hc_head if is_last else None
         self.norm: nn.Module | None = source.norm if is_last else None
         self.rotary_emb = source.rotary_emb
+        self.rotary_per_layer_type = source.rotary_per_layer_type
 
 
 class MHCPipelineStageModule(nn.Module):
@@ -151,16 +156,17 @@ class MHCPipelineStageModule(nn.Module):
         self.is_last = stage_index == num_stages - 1
         self.model = _StageTrunk(model.model, layer_indices, self.is_first, self.is_last)
         self.lm_head = lm_head
-        self._attention_kinds = sorted({layer.attention_type for layer in self.model.layers.values()})
+        self._attention_kinds = tuple(sorted({layer.attention_type for layer in self.model.layers.values()}))
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """``input_ids [B, T]`` (first stage) or ``streams [B, T, n, C]`` in; ``streams [B, T, n, C]`` or, from the
         last stage, ``logits [B, T, vocab]`` out."""
         trunk = self.model
+        backbone = self.config.backbone_config
         if self.is_first:
             if inputs.dim() != 2:
                 raise ValueError(f"Stage 0 takes input_ids [B, T]; got a tensor of shape {tuple(inputs.shape)}.")
-            embeddings = trunk.embed_tokens(inputs)
+            embeddings = scale_embeddings(backbone, trunk.embed_tokens(inputs), from_tokens=True)
             streams = expand_to_streams(embeddings, self.config.hc_mult)
         else:
             if inputs.dim() != 4:
@@ -170,21 +176,13 @@ class MHCPipelineStageModule(nn.Module):
             streams = inputs
             embeddings = streams[:, :, 0]  # stands for the [B, T, C] hidden state: shape, dtype and device only
         position_ids = torch.arange(streams.shape[1], device=streams.device).unsqueeze(0)
-        position_embeddings = trunk.rotary_emb(embeddings, position_ids)
-        masks = attention_masks(self.config.backbone_config, self._attention_kinds, embeddings, None, None,
-                                position_ids)
-        for layer in trunk.layers.values():
-            streams, _ = layer(
-                streams,
-                attention_mask=masks[layer.attention_type],
-                position_ids=position_ids,
-                cache=None,
-                use_cache=False,
-                position_embeddings=position_embeddings,
-            )
+        position_embeddings = rotary_embeddings(trunk.rotary_emb, trunk.rotary_per_layer_type, self._attention_kinds,
+                                                embeddings, position_ids)
+        masks = attention_masks(backbone, self._attention_kinds, embeddings, None, None, position_ids)
+        streams, _, _ = run_decoder_layers(trunk.layers.values(), streams, masks, position_embeddings, position_ids)
         if not self.is_last:
             return streams
-        return self.lm_head(trunk.norm(trunk.hc_head(streams)))
+        return scale_logits(backbone, self.lm_head(trunk.norm(trunk.hc_head(streams))))
 
 
 def pipeline_layer_split(num_layers: int, num_stages: int) -> list[range]:

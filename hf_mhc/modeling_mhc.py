@@ -1,9 +1,14 @@
-"""mHC models on dense residual backbones (Llama, Mistral, Qwen2, Qwen3).
+"""mHC models on residual backbones: any family with a wiring entry (``BACKBONE_WIRINGS``).
 
-Decoder layers reuse the backbone family's own attention, MLP, RMSNorm and rotary modules, so every backbone
-tensor keeps its name (``model.layers.0.self_attn.q_proj.weight``). Only the residual wiring is new: the hidden
-state is ``hc_mult`` streams ``[B, T, n, C]``, mixed around each sublayer by ``attn_hc`` / ``ffn_hc`` and read
-out by ``model.hc_head`` (the formulas are in ``mhc_reference.py``; names and numerics as transformers' DeepSeek-V4).
+Decoder layers are the backbone family's own: each mHC layer instantiates the family's decoder layer (found through
+transformers' registry: the base model of ``MODEL_MAPPING_NAMES[model_type]`` names it in ``_no_split_modules``) and
+adopts its attention, MLP or MoE block and norms, so every backbone tensor keeps its name
+(``model.layers.0.self_attn.q_proj.weight``) and every per-layer choice (sliding or full attention, NoPE, MoE or
+dense) is the backbone constructor's. Rotary embeddings, masks and weight initialisation are the backbone's too.
+Only the residual wiring is new: the hidden state is ``hc_mult`` streams ``[B, T, n, C]``, mixed around each
+sublayer by ``attn_hc`` / ``ffn_hc`` and read out by ``model.hc_head`` (the formulas are in ``mhc_reference.py``;
+names and numerics as transformers' DeepSeek-V4), and the family's wiring entry says which of its norms and
+multipliers sit where.
 
 This file, ``configuration_mhc.py`` and ``mhc_reference.py`` are copied flat into saved checkpoints, so a
 machine without ``hf_mhc`` can load them with ``trust_remote_code=True``.
@@ -11,11 +16,15 @@ machine without ``hf_mhc`` can load them with ``trust_remote_code=True``.
 
 from __future__ import annotations
 
-import importlib
+import functools
+import inspect
 import math
+import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import transformers
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
@@ -25,10 +34,11 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .configuration_mhc import MHCConfig, check_backbone_type
+from .configuration_mhc import MHCConfig, backbone_wiring, check_backbone_type
 
 try:  # the plugin's dispatching ops (fused kernels where available)
     from hf_mhc.kernels import mhc_coeffs, mhc_coeffs_pre, mhc_head, mhc_post_res, sinkhorn
@@ -37,31 +47,31 @@ except ImportError:  # a checkpoint loaded as remote code on a machine without h
 
 
 @dataclass(frozen=True)
-class BackboneModules:
-    """The transformers classes an mHC decoder layer borrows from one backbone family."""
+class BackboneClasses:
+    """The transformers classes of one backbone family that an mHC model is built from."""
 
-    attention: type[nn.Module]
-    mlp: type[nn.Module]
-    norm: type[nn.Module]
-    rotary: type[nn.Module]
+    base_model: type[PreTrainedModel]  # e.g. LlamaModel: its _init_weights initialises the backbone modules
+    decoder_layer: type[nn.Module]  # e.g. LlamaDecoderLayer, named by base_model._no_split_modules
+    rotary: type[nn.Module]  # e.g. LlamaRotaryEmbedding, the one rotary class of the family's modeling file
 
 
 HC_MODULE_NAMES: tuple[str, ...] = ("attn_hc", "ffn_hc", "hc_head")  # the float32 mHC modules, by attribute name
 
-_BACKBONE_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
-
-def backbone_modules(model_type: str) -> BackboneModules:
-    """Attention / MLP / RMSNorm / rotary classes of a supported backbone family."""
+@functools.cache
+def backbone_classes(model_type: str) -> BackboneClasses:
+    """Base model, decoder-layer and rotary classes of a supported family, from transformers' own registry."""
     check_backbone_type(model_type)
-    prefix = _BACKBONE_CLASS_PREFIX[model_type]
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    return BackboneModules(
-        attention=getattr(module, f"{prefix}Attention"),
-        mlp=getattr(module, f"{prefix}MLP"),
-        norm=getattr(module, f"{prefix}RMSNorm"),
-        rotary=getattr(module, f"{prefix}RotaryEmbedding"),
-    )
+    base_model = getattr(transformers, MODEL_MAPPING_NAMES[model_type])
+    module = sys.modules[base_model.__module__]
+    layers = [getattr(module, name, None) for name in base_model._no_split_modules or ()]
+    rotaries = [cls for name, cls in vars(module).items() if isinstance(cls, type) and issubclass(cls, nn.Module)
+                and name.endswith("RotaryEmbedding") and cls.__module__ == module.__name__]
+    if len(layers) != 1 or layers[0] is None:
+        check_backbone_type(model_type, misfit=f"{base_model.__name__}._no_split_modules names no single decoder layer")
+    if len(rotaries) != 1:
+        check_backbone_type(model_type, misfit=f"{module.__name__} has {len(rotaries)} rotary embedding classes, not 1")
+    return BackboneClasses(base_model=base_model, decoder_layer=layers[0], rotary=rotaries[0])
 
 
 def attention_layer_types(backbone_config) -> list[str]:
@@ -73,8 +83,9 @@ def attention_layer_types(backbone_config) -> list[str]:
     return [kind] * backbone_config.num_hidden_layers
 
 
-def attention_masks(backbone_config, kinds: set[str], inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None,
-                    cache: Cache | None, position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
+def attention_masks(backbone_config, kinds: Iterable[str], inputs_embeds: torch.Tensor,
+                    attention_mask: torch.Tensor | None, cache: Cache | None,
+                    position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
     """The backbone's causal (and sliding-window) masks, one per attention kind the layers use."""
     mask_kwargs = {"config": backbone_config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
                    "cache": cache, "position_ids": position_ids}
@@ -82,9 +93,46 @@ def attention_masks(backbone_config, kinds: set[str], inputs_embeds: torch.Tenso
     return {kind: build[kind](**mask_kwargs) for kind in kinds}
 
 
+def rotary_takes_layer_type(rotary: nn.Module) -> bool:
+    """Whether the backbone's rotary module computes one embedding per attention kind (Gemma 3: ``forward(x,
+    position_ids, layer_type)``, its own frequencies for sliding and full layers)."""
+    return "layer_type" in inspect.signature(rotary.forward).parameters
+
+
+def rotary_embeddings(rotary: nn.Module, per_layer_type: bool, kinds: Iterable[str], hidden_states: torch.Tensor,
+                      position_ids: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``(cos, sin)`` per attention kind, as the backbone's own forward computes them."""
+    if per_layer_type:
+        return {kind: rotary(hidden_states, position_ids, kind) for kind in kinds}
+    shared = rotary(hidden_states, position_ids)
+    return dict.fromkeys(kinds, shared)
+
+
 def expand_to_streams(embeddings: torch.Tensor, hc_mult: int) -> torch.Tensor:
     """The embedding output ``[B, T, C]`` copied into ``hc_mult`` streams ``[B, T, n, C]``."""
     return embeddings.unsqueeze(-2).expand(-1, -1, hc_mult, -1).contiguous()
+
+
+def scale_embeddings(backbone_config, embeddings: torch.Tensor, from_tokens: bool) -> torch.Tensor:
+    """``[B, T, C]`` embeddings scaled as the family's wiring says (Gemma's ``sqrt(C)`` on token embeddings,
+    rounded to their dtype; Granite's ``embedding_multiplier``)."""
+    wiring = backbone_wiring(backbone_config.model_type)
+    if wiring.embedding_scale_sqrt_hidden and from_tokens:
+        embeddings = embeddings * torch.tensor(backbone_config.hidden_size**0.5).to(embeddings.dtype)
+    if wiring.embedding_multiplier is not None:
+        embeddings = embeddings * getattr(backbone_config, wiring.embedding_multiplier)
+    return embeddings
+
+
+def scale_logits(backbone_config, logits: torch.Tensor) -> torch.Tensor:
+    """``[..., vocab]`` logits divided by Granite's ``logits_scaling``, soft-capped as Gemma's, per the wiring."""
+    wiring = backbone_wiring(backbone_config.model_type)
+    if wiring.logits_scaling is not None:
+        logits = logits / getattr(backbone_config, wiring.logits_scaling)
+    cap = getattr(backbone_config, wiring.final_logit_softcapping) if wiring.final_logit_softcapping else None
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 class MHCHyperConnection(nn.Module):
@@ -140,22 +188,36 @@ class MHCHyperHead(nn.Module):
 
 
 class MHCDecoderLayer(GradientCheckpointingLayer):
-    """A pre-norm decoder layer of the backbone family with its two residual adds replaced by mHC.
+    """The backbone family's decoder layer with its two residual adds replaced by mHC.
 
-    ``streams [B, T, n, C]`` in, ``streams [B, T, n, C]`` out (plus the attention weights when the attention
-    implementation returns them).
+    The layer's modules are those of the family's own decoder layer built for ``layer_idx`` (``self_attn``, ``mlp``
+    and the norms the wiring entry names), under their own names. ``streams [B, T, n, C]`` in, ``streams [B, T, n,
+    C]`` out (plus the attention weights when the attention implementation returns them).
     """
 
     def __init__(self, config: MHCConfig, layer_idx: int):
         super().__init__()
         backbone = config.backbone_config
-        parts = backbone_modules(backbone.model_type)
+        wiring = backbone_wiring(backbone.model_type)
+        source = backbone_classes(backbone.model_type).decoder_layer(backbone, layer_idx)
         self.layer_idx = layer_idx
         self.attention_type = attention_layer_types(backbone)[layer_idx]
-        self.self_attn = parts.attention(config=backbone, layer_idx=layer_idx)
-        self.mlp = parts.mlp(backbone)
-        self.input_layernorm = parts.norm(backbone.hidden_size, eps=backbone.rms_norm_eps)
-        self.post_attention_layernorm = parts.norm(backbone.hidden_size, eps=backbone.rms_norm_eps)
+        adopted = {"self_attn", "mlp", *wiring.attention_before, *wiring.attention_after, *wiring.mlp_before,
+                   *wiring.mlp_after}
+        children = dict(source.named_children())
+        missing = sorted(adopted - set(children))
+        left_over = sorted(name for name, child in children.items()
+                           if name not in adopted and any(True for _ in child.parameters()))
+        if missing or left_over:
+            what = f"lacks {missing}" if missing else f"has {left_over}, which the wiring entry does not place"
+            check_backbone_type(backbone.model_type, misfit=f"{type(source).__name__} {what}")
+        for name, child in children.items():  # in the backbone's own order
+            if name in adopted:
+                self.add_module(name, child)
+        self.attention_before, self.attention_after = wiring.attention_before, wiring.attention_after
+        self.mlp_before, self.mlp_after = wiring.mlp_before, wiring.mlp_after
+        multiplier = wiring.residual_multiplier
+        self.residual_multiplier = None if multiplier is None else getattr(backbone, multiplier)
         self.hc_recompute = config.hc_recompute
         self.attn_hc = MHCHyperConnection(config, sublayer_index=2 * layer_idx)
         self.ffn_hc = MHCHyperConnection(config, sublayer_index=2 * layer_idx + 1)
@@ -175,19 +237,36 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         if self.hc_recompute and torch.is_grad_enabled():
             return self._forward_recomputing_mhc(hidden_states, attention_kwargs)
         attn_input, attn_post, attn_comb = self._enter_attention(hidden_states)
-        attn_output, attn_weights = self.self_attn(hidden_states=attn_input, **attention_kwargs)
+        attn_output, attn_weights = self._attention(attn_input, attention_kwargs)
         hidden_states = mhc_post_res(hidden_states, attn_output, attn_post, attn_comb)
         mlp_input, mlp_post, mlp_comb = self._enter_mlp(hidden_states)
-        return mhc_post_res(hidden_states, self.mlp(mlp_input), mlp_post, mlp_comb), attn_weights
+        return mhc_post_res(hidden_states, self._mlp(mlp_input), mlp_post, mlp_comb), attn_weights
+
+    def _run_modules(self, names: tuple[str, ...], hidden_states: torch.Tensor) -> torch.Tensor:
+        for name in names:
+            hidden_states = getattr(self, name)(hidden_states)
+        return hidden_states
+
+    def _sublayer_output(self, names: tuple[str, ...], output: torch.Tensor) -> torch.Tensor:
+        """What the backbone adds to its residual: the modules after the sublayer, then the residual multiplier."""
+        output = self._run_modules(names, output)
+        return output if self.residual_multiplier is None else output * self.residual_multiplier
+
+    def _attention(self, attn_input: torch.Tensor, attention_kwargs: dict):
+        attn_output, attn_weights = self.self_attn(hidden_states=attn_input, **attention_kwargs)
+        return self._sublayer_output(self.attention_after, attn_output), attn_weights
+
+    def _mlp(self, mlp_input: torch.Tensor) -> torch.Tensor:
+        return self._sublayer_output(self.mlp_after, self.mlp(mlp_input))
 
     def _enter_attention(self, streams: torch.Tensor):
-        """The attention site's normalised input ``[B, T, C]``, ``post`` and ``comb``."""
+        """The attention site's input ``[B, T, C]`` (after the wiring's modules before it), ``post``, ``comb``."""
         collapsed, post, comb = self.attn_hc(streams)
-        return self.input_layernorm(collapsed), post, comb
+        return self._run_modules(self.attention_before, collapsed), post, comb
 
     def _enter_mlp(self, streams: torch.Tensor):
         collapsed, post, comb = self.ffn_hc(streams)
-        return self.post_attention_layernorm(collapsed), post, comb
+        return self._run_modules(self.mlp_before, collapsed), post, comb
 
     def _between(self, streams, attn_output, attn_post, attn_comb):
         """The streams between the two sublayers and the MLP site's entry, from the layer's input."""
@@ -202,13 +281,50 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         the layer's input streams, the sublayer outputs and ``post`` / ``comb``, and recomputes everything else of
         mHC (coefficients, collapsed inputs, the middle streams) in backward."""
         attn_input, attn_post, attn_comb = checkpoint(self._enter_attention, streams, use_reentrant=False)
-        attn_output, attn_weights = self.self_attn(hidden_states=attn_input, **attention_kwargs)
+        attn_output, attn_weights = self._attention(attn_input, attention_kwargs)
         mlp_input, mlp_post, mlp_comb = checkpoint(self._between, streams, attn_output, attn_post, attn_comb,
                                                    use_reentrant=False)
-        mlp_output = self.mlp(mlp_input)
+        mlp_output = self._mlp(mlp_input)
         out = checkpoint(self._exit, streams, attn_output, attn_post, attn_comb, mlp_output, mlp_post, mlp_comb,
                          use_reentrant=False)
         return out, attn_weights
+
+
+def run_decoder_layers(
+    layers: Iterable[MHCDecoderLayer],
+    streams: torch.Tensor,
+    masks: dict[str, torch.Tensor | None],
+    position_embeddings: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    position_ids: torch.Tensor,
+    cache: Cache | None = None,
+    use_cache: bool = False,
+    output_hidden_states: bool = False,
+    output_attentions: bool = False,
+    **kwargs,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None, tuple[torch.Tensor | None, ...] | None]:
+    """The one layer loop (:class:`MHCModel` and the pipeline stages of ``hf_mhc.distributed``): ``streams [B, T, n,
+    C]`` through ``layers``, each with the mask and rotary embedding of its attention kind. Returns the streams, the
+    streams entering each layer and leaving the last (when ``output_hidden_states``) and the attention weights (when
+    ``output_attentions``)."""
+    all_hidden_states = () if output_hidden_states else None
+    all_attentions = () if output_attentions else None
+    for layer in layers:
+        if output_hidden_states:
+            all_hidden_states += (streams,)
+        streams, attn_weights = layer(
+            streams,
+            attention_mask=masks[layer.attention_type],
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings[layer.attention_type],
+            **kwargs,
+        )
+        if output_attentions:
+            all_attentions += (attn_weights,)
+    if output_hidden_states:
+        all_hidden_states += (streams,)
+    return streams, all_hidden_states, all_attentions
 
 
 def _logit(p: float) -> float:
@@ -263,6 +379,16 @@ def function_preserving_hc_tensors(config: MHCConfig) -> dict[str, torch.Tensor]
     tensors["model.hc_head.hc_base"] = function_preserving_head_base(config)
     tensors["model.hc_head.hc_scale"] = torch.full((1,), dynamic_scale)
     return tensors
+
+
+def backbone_init_weights(backbone_config, module: nn.Module) -> None:
+    """Initialise ``module`` with the backbone family's own ``_init_weights``. It runs on a bare instance of the
+    family's base model that carries only ``backbone_config`` (no modules, no weights): the method reads nothing
+    else, and as a method of the family's class it may call its ``super()``."""
+    base_model = backbone_classes(backbone_config.model_type).base_model
+    bare = base_model.__new__(base_model)
+    bare.config = backbone_config
+    base_model._init_weights(bare, module)
 
 
 AUTO_MAP = {
@@ -320,8 +446,10 @@ class MHCPreTrainedModel(PreTrainedModel):
             self.__class__ = runtime_class
 
     def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
+        """Backbone modules as the backbone initialises them (its ``_init_weights``: Gemma's zero-centred norms, MoE
+        experts and routers, per-kind rotary frequencies), the HC modules as ``hc_init`` says."""
         config = self.config
+        backbone_init_weights(config.backbone_config, module)
         std = getattr(config.backbone_config, "initializer_range", 0.02)
         if isinstance(module, MHCHyperConnection):
             if config.hc_init == "function_preserving":
@@ -350,14 +478,17 @@ class MHCModel(MHCPreTrainedModel):
     def __init__(self, config: MHCConfig):
         super().__init__(config)
         backbone = config.backbone_config
-        parts = backbone_modules(backbone.model_type)
+        classes = backbone_classes(backbone.model_type)
         self.padding_idx = backbone.pad_token_id
         self.vocab_size = backbone.vocab_size
         self.embed_tokens = nn.Embedding(backbone.vocab_size, backbone.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([MHCDecoderLayer(config, i) for i in range(backbone.num_hidden_layers)])
         self.hc_head = MHCHyperHead(config)
-        self.norm = parts.norm(backbone.hidden_size, eps=backbone.rms_norm_eps)
-        self.rotary_emb = parts.rotary(config=backbone)
+        norm_like = getattr(self.layers[0], backbone_wiring(backbone.model_type).final_norm_like)
+        self.norm = type(norm_like)(backbone.hidden_size, eps=backbone.rms_norm_eps)
+        self.rotary_emb = classes.rotary(config=backbone)
+        self.rotary_per_layer_type = rotary_takes_layer_type(self.rotary_emb)
+        self.attention_kinds = tuple(sorted({layer.attention_type for layer in self.layers}))
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -391,8 +522,10 @@ class MHCModel(MHCPreTrainedModel):
             output_attentions = self.config.output_attentions
         if self.gradient_checkpointing and self.training:
             use_cache = False
-        if inputs_embeds is None:
+        from_tokens = inputs_embeds is None
+        if from_tokens:
             inputs_embeds = self.embed_tokens(input_ids)
+        inputs_embeds = scale_embeddings(backbone, inputs_embeds, from_tokens)
         if use_cache and cache is None:
             cache = DynamicCache(config=backbone)
         if position_ids is None:
@@ -403,29 +536,21 @@ class MHCModel(MHCPreTrainedModel):
         if isinstance(attention_mask, dict):
             masks = attention_mask
         else:
-            kinds = {layer.attention_type for layer in self.layers}
-            masks = attention_masks(backbone, kinds, inputs_embeds, attention_mask, cache, position_ids)
-        streams = expand_to_streams(inputs_embeds, self.config.hc_mult)
-        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
-        all_hidden_states = () if output_hidden_states else None
-        all_attentions = () if output_attentions else None
-        for layer in self.layers:
-            if output_hidden_states:
-                all_hidden_states += (streams,)
-            streams, attn_weights = layer(
-                streams,
-                attention_mask=masks[layer.attention_type],
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=use_cache,
-                position_embeddings=position_embeddings,
-                **kwargs,
-            )
-            if output_attentions:
-                all_attentions += (attn_weights,)
-        if output_hidden_states:
-            all_hidden_states += (streams,)
-
+            masks = attention_masks(backbone, self.attention_kinds, inputs_embeds, attention_mask, cache, position_ids)
+        position_embeddings = rotary_embeddings(self.rotary_emb, self.rotary_per_layer_type, self.attention_kinds,
+                                                inputs_embeds, position_ids)
+        streams, all_hidden_states, all_attentions = run_decoder_layers(
+            self.layers,
+            expand_to_streams(inputs_embeds, self.config.hc_mult),
+            masks,
+            position_embeddings,
+            position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+            **kwargs,
+        )
         return BaseModelOutputWithPast(
             last_hidden_state=self.norm(self.hc_head(streams)),
             cache=cache if use_cache else None,
@@ -435,7 +560,8 @@ class MHCModel(MHCPreTrainedModel):
 
 
 class MHCForCausalLM(MHCPreTrainedModel, GenerationMixin):
-    """mHC causal language model: :class:`MHCModel` plus the backbone's ``lm_head`` (tied when the backbone ties)."""
+    """mHC causal language model: :class:`MHCModel` plus the backbone's ``lm_head`` (tied when the backbone ties),
+    its logits scaled or soft-capped as the backbone's wiring entry says."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -485,7 +611,7 @@ class MHCForCausalLM(MHCPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = self.lm_head(hidden_states)
+        logits = scale_logits(self.config.backbone_config, self.lm_head(hidden_states))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size, **kwargs)
