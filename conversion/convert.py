@@ -80,6 +80,11 @@ REPLACED_MARKER = ".hf-mhc-replaced."
 LOCK_SUFFIX = ".hf-mhc-lock"
 # Files in a folder that mark it as a checkpoint --overwrite may replace (besides config.json).
 WEIGHT_FILE_PATTERNS: tuple[str, ...] = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+# What a checkpoint folder holds (the files a conversion writes, and those of an ordinary transformers checkpoint):
+# --overwrite replaces only a folder with nothing else in it.
+CHECKPOINT_FILE_PATTERNS: tuple[str, ...] = (
+    "config.json", "README.md", "*.py", *WEIGHT_FILE_PATTERNS, *COPIED_FILE_PATTERNS,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +127,7 @@ def convert_checkpoint(
     progress: bool = True,
     **hc_options,
 ) -> ConversionReport:
-    """Convert a Llama / Mistral / Qwen2 / Qwen3 causal-LM checkpoint into an mHC checkpoint folder ``out``.
+    """Convert a causal-LM checkpoint of a supported family (``SUPPORTED_BACKBONES``) into an mHC checkpoint ``out``.
 
     Args:
         src: a checkpoint folder, or a Hub model id (downloaded, or taken from the cache when offline).
@@ -280,6 +285,17 @@ def _identity(path: Path) -> tuple[int, int]:
     return stat.st_dev, stat.st_ino
 
 
+def foreign_entries(folder: Path) -> list[str]:
+    """The entries of ``folder`` that are no part of a checkpoint (:data:`CHECKPOINT_FILE_PATTERNS`,
+    :data:`COPIED_FOLDERS`): a ``.git`` folder, notes, training checkpoints, ..."""
+    return sorted(
+        entry.name + ("/" if entry.is_dir() else "")
+        for entry in folder.iterdir()
+        if not (entry.is_dir() and not entry.is_symlink() and entry.name in COPIED_FOLDERS)
+        and not (entry.is_file() and any(fnmatch.fnmatch(entry.name, pattern) for pattern in CHECKPOINT_FILE_PATTERNS))
+    )
+
+
 def looks_like_checkpoint(folder: Path) -> bool:
     """Whether ``folder`` holds a ``config.json`` and weight files (``*.safetensors``, ``*.bin`` or an index)."""
     names = [entry.name for entry in folder.iterdir() if entry.is_file()]
@@ -312,6 +328,13 @@ def _check_output(out: Path, overwrite: bool) -> _Existing | None:
         raise ConversionError(
             f"OUT {out} is not empty and does not look like a checkpoint (a config.json and *.safetensors, *.bin or "
             "index files); --overwrite replaces only a checkpoint folder: choose a new folder, or empty it yourself."
+        )
+    foreign = [] if empty else foreign_entries(out)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ConversionError(
+            f"OUT {out} holds more than a checkpoint ({shown}); --overwrite would delete them with the folder: move "
+            "them away or choose a new folder."
         )
     return _Existing(_identity(out), empty)
 

@@ -29,7 +29,8 @@ def mhc_config_for(backbone_config, hc_mult: int = 4, **hc_options) -> MHCConfig
 
 
 def upcycle(model: PreTrainedModel | str | os.PathLike, hc_mult: int = 4, **hc_options) -> MHCForCausalLM:
-    """Build an n-stream mHC model from a Llama / Mistral / Qwen2 / Qwen3 causal LM, copying its weights.
+    """Build an n-stream mHC model from a causal LM of a supported family (``SUPPORTED_BACKBONES``), copying its
+    weights.
 
     Args:
         model: a loaded ``*ForCausalLM`` or a path / Hub id that ``AutoModelForCausalLM`` loads.

@@ -206,8 +206,7 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
                    *wiring.mlp_after}
         children = dict(source.named_children())
         missing = sorted(adopted - set(children))
-        left_over = sorted(name for name, child in children.items()
-                           if name not in adopted and any(True for _ in child.parameters()))
+        left_over = [name for name in children if name not in adopted]  # e.g. a norm or dropout mHC would drop
         if missing or left_over:
             what = f"lacks {missing}" if missing else f"has {left_over}, which the wiring entry does not place"
             check_backbone_type(backbone.model_type, misfit=f"{type(source).__name__} {what}")

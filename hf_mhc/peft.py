@@ -22,19 +22,43 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
 from peft import LoraConfig, TaskType
+from torch import nn
 
-from .modeling_mhc import HC_MODULE_NAMES
+from .modeling_mhc import HC_MODULE_NAMES, backbone_classes
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 
 BACKBONE_PROJECTIONS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def lora_target_modules(model_type: str) -> tuple[str, ...]:
+    """The projections LoRA adapts in a backbone family, by module name in order of appearance: every ``nn.Linear``
+    of the attention and MLP / MoE blocks of the family's own decoder layers (Llama: ``q_proj`` ... ``down_proj``;
+    Phi-3: ``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``; DeepSeek-V3's latent attention:
+    ``q_a_proj``, ``kv_b_proj``, ...), except one-output gates. Read off the first and last decoder layer of the
+    family's default config, built on the meta device (no memory)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    layer_class = backbone_classes(model_type).decoder_layer
+    names: dict[str, None] = {}
+    with torch.device("meta"):
+        for index in sorted({0, config.num_hidden_layers - 1}):
+            layer = layer_class(config, index)
+            for block in (layer.self_attn, layer.mlp):
+                for name, module in block.named_modules():
+                    if isinstance(module, nn.Linear) and module.out_features > 1:
+                        names[name.rsplit(".", 1)[-1]] = None
+    return tuple(names)
+
+
 def mhc_lora_config(
     r: int = 8,
     lora_alpha: int = 16,
     target_modules: Iterable[str] | str | None = None,
+    model_type: str | None = None,
     **kwargs: Any,
 ) -> LoraConfig:
     """A ``peft.LoraConfig`` for an mHC model: LoRA on the backbone projections, the HC maps fully trainable.
@@ -43,7 +67,9 @@ def mhc_lora_config(
         r: LoRA rank.
         lora_alpha: LoRA scaling numerator (the update is scaled by ``lora_alpha / r``).
         target_modules: module names (or a regex string) that get LoRA; default the attention and MLP projections
-            ``q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj``. HC modules are not allowed here.
+            of ``model_type`` (:func:`lora_target_modules`), or without it Llama's ``q_proj, k_proj, v_proj,
+            o_proj, gate_proj, up_proj, down_proj``. HC modules are not allowed here.
+        model_type: the backbone family (``model.config.backbone_config.model_type``), for the default targets.
         **kwargs: any other ``LoraConfig`` field (``lora_dropout``, ``bias``, ``task_type``, ...). A
             ``modules_to_save`` list is extended with the HC modules; ``task_type`` defaults to ``CAUSAL_LM``.
 
@@ -54,9 +80,11 @@ def mhc_lora_config(
 
         from peft import get_peft_model
         model = get_peft_model(hf_mhc.upcycle("path/to/llama"), mhc_lora_config(r=16))
+        phi3 = hf_mhc.upcycle("path/to/phi3")  # fused qkv_proj and gate_up_proj
+        model = get_peft_model(phi3, mhc_lora_config(r=16, model_type=phi3.config.backbone_config.model_type))
     """
     if target_modules is None:
-        target_modules = list(BACKBONE_PROJECTIONS)
+        target_modules = list(BACKBONE_PROJECTIONS if model_type is None else lora_target_modules(model_type))
     elif not isinstance(target_modules, str):
         target_modules = list(target_modules)
         if not target_modules:
@@ -127,6 +155,7 @@ __all__ = [
     "BACKBONE_PROJECTIONS",
     "HC_MODULE_NAMES",
     "adapter_base",
+    "lora_target_modules",
     "mhc_lora_config",
     "save_adapter_base",
 ]

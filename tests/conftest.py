@@ -15,7 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 STORIES260K = ASSETS / "stories260K"
@@ -23,9 +23,29 @@ JANEAUSTEN = ASSETS / "janeausten"
 
 VOCAB = 101
 
+# What each family's tiny config sets beyond the common shape, so that its own features are exercised: Qwen2's q/k/v
+# biases come with the family, Qwen3 and OLMo 2 have q/k norms, Mistral and Gemma 3 sliding-window layers (Gemma 3
+# alternates sliding and full layers, each with its own rotary frequencies), SmolLM3 NoPE layers, Granite its four
+# multipliers with biases, Gemma 3 soft-capped logits and attention scores.
+FAMILY_SETTINGS: dict[str, dict] = {
+    "llama": {},
+    "mistral": dict(sliding_window=6),
+    "qwen2": {},
+    "qwen3": dict(head_dim=8),
+    "gemma3_text": dict(head_dim=8, sliding_window=4, sliding_window_pattern=2, query_pre_attn_scalar=6,
+                        final_logit_softcapping=4.0, attn_logit_softcapping=3.0, rope_local_base_freq=100.0),
+    "olmo2": {},
+    "phi3": {},
+    "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.4, logits_scaling=2.5, attention_multiplier=0.3,
+                    attention_bias=True, mlp_bias=True),
+    "smollm3": dict(no_rope_layer_interval=2, attention_bias=True),
+}
+
 
 def tiny_backbone_config(family: str, *, tie_word_embeddings: bool = False, **overrides):
-    """A 2-layer GQA config of ``family`` small enough for CPU tests (Qwen2 has q/k/v biases, Qwen3 q/k norms)."""
+    """A 2-layer GQA config of ``family`` small enough for CPU tests, with the family's settings above."""
+    if family not in FAMILY_SETTINGS:
+        raise ValueError(family)
     common = dict(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -38,20 +58,14 @@ def tiny_backbone_config(family: str, *, tie_word_embeddings: bool = False, **ov
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
+        **FAMILY_SETTINGS[family],
     )
     common.update(overrides)
-    if family == "llama":
-        return LlamaConfig(**common)
-    if family == "mistral":
-        return MistralConfig(sliding_window=6, **common)
-    if family == "qwen2":
-        return Qwen2Config(**common)
-    if family == "qwen3":
-        return Qwen3Config(head_dim=8, **common)
-    raise ValueError(family)
+    return AutoConfig.for_model(family, **common)
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # the families the older, family-parametrised tests run on
+DENSE_FAMILIES = tuple(FAMILY_SETTINGS)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,240 @@
+"""The family table: every supported backbone family, upcycled, cached, saved, loaded as remote code, converted,
+LoRA-adapted and gradient-checkpointed, on a tiny random config with perturbed norms and biases."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import DENSE_FAMILIES, VOCAB, tiny_backbone_config
+from peft import get_peft_model
+from peft.tuners.lora import LoraLayer
+from transformers import AutoModelForCausalLM
+
+import hf_mhc
+from hf_mhc import MHCForCausalLM
+from hf_mhc.cli import main
+from hf_mhc.configuration_mhc import BACKBONE_WIRINGS, SUPPORTED_BACKBONES, BackboneWiring
+from hf_mhc.modeling_mhc import HC_MODULE_NAMES, sinkhorn
+from hf_mhc.peft import lora_target_modules, mhc_lora_config
+
+assert set(DENSE_FAMILIES) == set(SUPPORTED_BACKBONES), "every supported family has a row here"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from threads, and OpenMP threads spin against each other on a busy shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def source_model(family: str) -> torch.nn.Module:
+    """The family's tiny causal LM with every norm weight and bias perturbed, so that a norm or bias the mHC model
+    leaves out, applies twice or puts in the wrong place changes the logits (Gemma's zero-centred norms would
+    otherwise be the identity). ``initializer_range=0.2`` gives logits of a few units."""
+    model = AutoModelForCausalLM.from_config(tiny_backbone_config(family, initializer_range=0.2)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(0.5 * torch.randn_like(param))
+    return model
+
+
+def randomise_hc(model: MHCForCausalLM) -> MHCForCausalLM:
+    """Token-dependent, non-trivial maps at every site (as DeepSeek-V4's initialisation gives), in place."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(f".{module}." in f".{name}" for module in HC_MODULE_NAMES):
+                param.add_(0.3 * torch.randn_like(param))
+    return model
+
+
+def assert_logits_close(got: torch.Tensor, expected: torch.Tensor, tolerance: float = 1e-4) -> None:
+    """``max|Δ| <= tolerance · max(1, max|expected|)``: float32 rounding grows with the logits' size."""
+    bound = tolerance * max(1.0, expected.abs().max().item())
+    difference = (got - expected).abs().max().item()
+    assert difference <= bound, f"max |Δ| = {difference:.3g} > {bound:.3g}"
+
+
+def token_ids(batch: int = 2, length: int = 10) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length))
+
+
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_upcycled_logits_equal_the_source(family):
+    source = source_model(family)
+    mhc = hf_mhc.upcycle(source, hc_mult=4).eval()
+    ids = token_ids(2, 12)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        expected = source(ids, attention_mask=mask).logits
+        got = mhc(ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert_logits_close(got[real], expected[real])
+
+
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_stream_mean_follows_the_residual_stream(family):
+    """Function preservation layer by layer: the streams entering layer ``l`` average to ``s^(2l)`` times the
+    source's hidden state there (``s``: the row sum of the initial ``comb``). Pre-norm wiring gives this to float32
+    rounding. Post-norm wiring (OLMo 2: ``h + norm(F(h))``) feeds each sublayer ``s^k · h`` instead of ``h``, which
+    its MLP does not scale out, so there the match is ``O(k · hc_eps)``, here measured below 1e-6 relative."""
+    source = source_model(family)
+    mhc = hf_mhc.upcycle(source, hc_mult=4).eval()
+    config = mhc.config
+    comb_b = config.hc_init_comb_diag * torch.eye(config.hc_mult)
+    row_sum = sinkhorn(comb_b, config.hc_sinkhorn_iters, config.hc_eps).double().sum(-1).mean().item()
+    ids = token_ids()
+    with torch.no_grad():
+        residual = source(ids, output_hidden_states=True).hidden_states
+        streams = mhc(ids, output_hidden_states=True).hidden_states
+    tolerance = 1e-6 if BACKBONE_WIRINGS[family].pre_norm else 1e-5
+    for layer in range(config.backbone_config.num_hidden_layers):  # the last hidden state is the final-normed one
+        mean = streams[layer].double().mean(-2) / row_sum ** (2 * layer)
+        expected = residual[layer].double()
+        assert (mean - expected).abs().max() <= tolerance * expected.abs().max(), (family, layer)
+
+
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_cached_greedy_equals_uncached(family):
+    mhc = randomise_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).eval()
+    ids = token_ids(2, 7)
+    cached = mhc.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
+    uncached = mhc.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False, pad_token_id=0)
+    assert cached.shape == (2, 15)
+    assert torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_save_and_from_pretrained_give_the_same_logits(family, tmp_path):
+    mhc = randomise_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).eval()
+    mhc.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded) is MHCForCausalLM
+    assert set(reloaded.state_dict()) == set(mhc.state_dict())
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, mhc(ids).logits, atol=0, rtol=0)
+
+
+LOAD_ALL_WITHOUT_PLUGIN = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hf_mhc"] = None  # `import hf_mhc` now raises ImportError
+    import torch
+    from transformers import AutoModelForCausalLM
+    root, families = sys.argv[1], sys.argv[2:]
+    ids = torch.load(f"{root}/ids.pt")
+    for family in families:
+        model = AutoModelForCausalLM.from_pretrained(f"{root}/{family}", trust_remote_code=True).eval()
+        assert "transformers_modules" in type(model).__module__, type(model).__module__
+        with torch.no_grad():
+            torch.save(model(ids).logits, f"{root}/{family}.pt")
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def remote_code_logits(tmp_path_factory):
+    """Every family's saved mHC folder loaded with ``trust_remote_code`` in one process without ``hf_mhc``; the
+    logits of both sides, by family."""
+    root = tmp_path_factory.mktemp("remote_code")
+    ids = token_ids()
+    torch.save(ids, root / "ids.pt")
+    expected = {}
+    for family in DENSE_FAMILIES:
+        mhc = randomise_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).eval()
+        mhc.save_pretrained(root / family)
+        with torch.no_grad():
+            expected[family] = mhc(ids).logits
+    env = {**os.environ, "HF_HOME": str(root / "hf_home"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", LOAD_ALL_WITHOUT_PLUGIN, str(root), *DENSE_FAMILIES], env=env,
+                            capture_output=True, text=True, timeout=600, cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {family: (torch.load(root / f"{family}.pt"), expected[family]) for family in DENSE_FAMILIES}
+
+
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_trust_remote_code_load_without_the_plugin(family, remote_code_logits):
+    remote, local = remote_code_logits[family]
+    # The plugin runs its own kernels, the remote copy the plain reference formula: equal up to float32 rounding.
+    assert_logits_close(remote, local, tolerance=1e-5)
+
+
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_convert_of_the_saved_source(family, tmp_path, capsys):
+    source = source_model(family)
+    source.save_pretrained(tmp_path / "src")
+    status = main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--hc-mult", "3", "--no-verify"])
+    assert status == 0, capsys.readouterr().err
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert isinstance(converted, MHCForCausalLM) and converted.config.backbone_config.model_type == family
+    assert set(source.state_dict()) <= set(converted.state_dict())  # every backbone tensor under its own name
+    ids = token_ids()
+    with torch.no_grad():
+        assert_logits_close(converted(ids).logits, source(ids).logits)
+
+
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_lora_targets_the_family_projections(family):
+    mhc = hf_mhc.upcycle(source_model(family), hc_mult=2)
+    targets = lora_target_modules(family)
+    model = get_peft_model(mhc, mhc_lora_config(r=2, lora_alpha=4, model_type=family))
+    adapted = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    assert adapted == set(targets)
+    if family == "phi3":
+        assert {"qkv_proj", "gate_up_proj"} <= adapted
+    ids = token_ids()
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    lora_b = [(name, param) for name, param in model.named_parameters() if "lora_B" in name]
+    assert lora_b and all(param.grad is not None and param.grad.abs().max() > 0 for _, param in lora_b)
+    hc_grads = [param.grad for name, param in model.named_parameters() if "modules_to_save" in name and param.grad
+                is not None]
+    assert hc_grads
+
+
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_gradient_checkpointing_gives_the_same_gradients(family):
+    model = randomise_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).train()
+    ids = token_ids()
+
+    def grads():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+    plain = grads()
+    model.gradient_checkpointing_enable()
+    assert model.model.layers[0].gradient_checkpointing
+    checkpointed = grads()
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_setting_the_wiring_refuses_gets_one_line():
+    with pytest.raises(ValueError, match=r"^Unsupported mHC backbone 'gemma3_text' \(use_bidirectional_attention="
+                                         r"True does not fit a causal mHC model\); supported backbone families: "):
+        hf_mhc.MHCConfig(backbone_config=tiny_backbone_config("gemma3_text", use_bidirectional_attention=True))
+
+
+def test_a_wiring_entry_that_does_not_fit_the_layer_names_what(monkeypatch):
+    monkeypatch.setitem(BACKBONE_WIRINGS, "olmo2", BackboneWiring())  # OLMo 2 has no input_layernorm
+    with pytest.raises(ValueError, match=r"^Unsupported mHC backbone 'olmo2' \(Olmo2DecoderLayer lacks "
+                                         r"\['input_layernorm'\]\)"):
+        MHCForCausalLM(hf_mhc.MHCConfig(backbone_config=tiny_backbone_config("olmo2")))
+    monkeypatch.setitem(BACKBONE_WIRINGS, "gemma3_text", BackboneWiring(attention_after=("post_attention_layernorm",)))
+    with pytest.raises(ValueError, match=r"Gemma3DecoderLayer has \['pre_feedforward_layernorm', "
+                                         r"'post_feedforward_layernorm'\], which the wiring entry does not place"):
+        MHCForCausalLM(hf_mhc.MHCConfig(backbone_config=tiny_backbone_config("gemma3_text")))
+    monkeypatch.setitem(BACKBONE_WIRINGS, "phi3", BackboneWiring())  # a dropout, no weights, but not the identity
+    with pytest.raises(ValueError, match=r"Phi3DecoderLayer has \['resid_attn_dropout', 'resid_mlp_dropout'\]"):
+        MHCForCausalLM(hf_mhc.MHCConfig(backbone_config=tiny_backbone_config("phi3")))
