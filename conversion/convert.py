@@ -157,9 +157,8 @@ def convert_checkpoint(
     out = _output_path(out)
     max_shard_bytes = parse_size(max_shard_size)
     target_dtype = _parse_dtype(dtype)
-    _check_output(out, overwrite)  # fail fast, before a download or a new folder; checked again under the lock
-    if os.fspath(src).strip() and Path(src).expanduser().is_dir():
-        _check_not_protected(out, Path(src).expanduser())
+    local_src = Path(src).expanduser() if os.fspath(src).strip() and Path(src).expanduser().is_dir() else None
+    _check_output(out, overwrite, local_src)  # fail fast, before a download or a new folder; again under the lock
     created_parents = _missing_ancestors(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -304,13 +303,14 @@ def looks_like_checkpoint(folder: Path) -> bool:
     )
 
 
-def _check_output(out: Path, overwrite: bool) -> _Existing | None:
-    """Check that ``out`` may be written: ``None`` when it does not exist, else the folder the final move replaces."""
+def _check_output(out: Path, overwrite: bool, src: Path | None = None) -> _Existing | None:
+    """Check that ``out`` may be written (and is not ``src``, a local SRC folder, or around it): ``None`` when it
+    does not exist, else the folder the final move replaces."""
     if out.is_symlink():
         raise ConversionError(f"OUT {out} is a symbolic link; name the folder itself.")
     if out.exists() and not out.is_dir():
         raise ConversionError(f"OUT {out} exists and is a file; choose a folder path.")
-    _check_not_protected(out, None)
+    _check_not_protected(out, src)
     if not out.exists():
         ancestor = out.parent
         while not ancestor.exists():

@@ -255,10 +255,15 @@ def test_existing_out_is_kept_without_overwrite_and_replaced_with_it(tmp_path, c
     assert_one_line_error(status, err, "does not look like a checkpoint")  # --overwrite replaces only a checkpoint
     assert [p.name for p in out.iterdir()] == ["precious.txt"]
 
-    save_source(out, "llama")  # now OUT holds a checkpoint (and precious.txt beside it)
+    save_source(out, "llama")  # now OUT holds a checkpoint, and precious.txt beside it: still kept
+    status, _, err = convert(capsys, tmp_path / "src", out, "--no-verify", "--overwrite")
+    assert_one_line_error(status, err, "holds more than a checkpoint (precious.txt)")
+    assert (out / "precious.txt").read_text() == "keep me"
+
+    (out / "precious.txt").unlink()  # a checkpoint alone is replaced
     status, _, err = convert(capsys, tmp_path / "src", out, "--no-verify", "--overwrite")
     assert status == 0, err
-    assert not (out / "precious.txt").exists() and (out / "model.safetensors").is_file()
+    assert (out / "model.safetensors").is_file()
     assert json.loads((out / "config.json").read_text())["backbone_config"]["model_type"] == "qwen2"
     assert not leftovers(tmp_path)
 

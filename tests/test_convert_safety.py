@@ -179,6 +179,22 @@ def test_overwrite_never_replaces_src_its_parents_or_home(tmp_path, capsys, monk
     assert folder_digest(tmp_path) == before and not leftovers(tmp_path) and not leftovers(src)
 
 
+def test_overwrite_refuses_a_checkpoint_folder_that_holds_anything_else(tmp_path, capsys):
+    """A Hub clone (``.git``), notes or training checkpoints beside the weights would go with the replaced folder."""
+    save_source(tmp_path / "src", "llama")
+    out = tmp_path / "out"
+    assert convert(capsys, tmp_path / "src", out, "--no-verify")[0] == 0
+    (out / ".git").mkdir()
+    (out / ".git" / "HEAD").write_text("ref: refs/heads/main")
+    (out / "NOTES.md").write_text("mine")
+    (out / "checkpoint-500").mkdir()
+    before = folder_digest(out)
+    status, _, err = convert(capsys, tmp_path / "src", out, "--overwrite", "--no-verify")
+    assert_one_line_error(status, err, "holds more than a checkpoint (.git/, NOTES.md, checkpoint-500/)")
+    assert folder_digest(out) == before and (out / "checkpoint-500").is_dir()
+    assert not leftovers(tmp_path)
+
+
 def test_overwrite_replaces_only_a_checkpoint_folder(tmp_path, capsys):
     save_source(tmp_path / "src", "llama")
     out = tmp_path / "out"
