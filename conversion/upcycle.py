@@ -50,6 +50,7 @@ def upcycle(model: PreTrainedModel | str | os.PathLike, hc_mult: int = 4, **hc_o
         raise TypeError(f"upcycle expects a transformers PreTrainedModel or a path, got {type(model).__name__}.")
     config = mhc_config_for(model.config, hc_mult=hc_mult, **hc_options)
     config._attn_implementation = model.config._attn_implementation
+    config._experts_implementation = getattr(model.config, "_experts_implementation", None)
     source_state = model.state_dict()
     with torch.device("meta"):  # no memory and no random initialisation: every tensor is assigned below
         mhc_model = MHCForCausalLM(config)

@@ -79,6 +79,14 @@ BACKBONE_WIRINGS: dict[str, BackboneWiring] = {
     ),
     "olmo2": BackboneWiring(attention_before=(), attention_after=("post_attention_layernorm",), mlp_before=(),
                             mlp_after=("post_feedforward_layernorm",)),
+    # MoE: the MoE block sits where the MLP does (`mlp`); routing, shared experts, dense layers among MoE ones
+    # (DeepSeek-V3's first_k_dense_replace, Qwen MoE's mlp_only_layers) and latent attention (DeepSeek-V3's MLA)
+    # are the backbone's own modules.
+    "mixtral": PRE_NORM,
+    "qwen2_moe": PRE_NORM,
+    "qwen3_moe": PRE_NORM,
+    "olmoe": PRE_NORM,
+    "deepseek_v3": PRE_NORM,
 }
 SUPPORTED_BACKBONES: tuple[str, ...] = tuple(BACKBONE_WIRINGS)
 HC_INITS: tuple[str, ...] = ("function_preserving", "deepseek_v4")

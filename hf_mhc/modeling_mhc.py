@@ -20,7 +20,8 @@ import functools
 import inspect
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -32,11 +33,17 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    MoeCausalLMOutputWithPast,
+    MoeModelOutputWithPast,
+)
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.output_capturing import OutputRecorder
 
 from .configuration_mhc import MHCConfig, backbone_wiring, check_backbone_type
 
@@ -48,11 +55,13 @@ except ImportError:  # a checkpoint loaded as remote code on a machine without h
 
 @dataclass(frozen=True)
 class BackboneClasses:
-    """The transformers classes of one backbone family that an mHC model is built from."""
+    """The transformers classes (and functions) of one backbone family that an mHC model is built from."""
 
     base_model: type[PreTrainedModel]  # e.g. LlamaModel: its _init_weights initialises the backbone modules
     decoder_layer: type[nn.Module]  # e.g. LlamaDecoderLayer, named by base_model._no_split_modules
     rotary: type[nn.Module]  # e.g. LlamaRotaryEmbedding, the one rotary class of the family's modeling file
+    router: OutputRecorder | None = None  # MoE: the router whose outputs base_model records as router_logits
+    load_balancing_loss: Callable | None = None  # MoE: the family's load_balancing_loss_func, if it has one
 
 
 HC_MODULE_NAMES: tuple[str, ...] = ("attn_hc", "ffn_hc", "hc_head")  # the float32 mHC modules, by attribute name
@@ -71,7 +80,11 @@ def backbone_classes(model_type: str) -> BackboneClasses:
         check_backbone_type(model_type, misfit=f"{base_model.__name__}._no_split_modules names no single decoder layer")
     if len(rotaries) != 1:
         check_backbone_type(model_type, misfit=f"{module.__name__} has {len(rotaries)} rotary embedding classes, not 1")
-    return BackboneClasses(base_model=base_model, decoder_layer=layers[0], rotary=rotaries[0])
+    router = (base_model._can_record_outputs or {}).get("router_logits")
+    if router is not None and not isinstance(router, OutputRecorder):
+        router = OutputRecorder(target_class=router, index=0)
+    return BackboneClasses(base_model=base_model, decoder_layer=layers[0], rotary=rotaries[0], router=router,
+                           load_balancing_loss=getattr(module, "load_balancing_loss_func", None))
 
 
 def attention_layer_types(backbone_config) -> list[str]:
@@ -106,6 +119,28 @@ def rotary_embeddings(rotary: nn.Module, per_layer_type: bool, kinds: Iterable[s
         return {kind: rotary(hidden_states, position_ids, kind) for kind in kinds}
     shared = rotary(hidden_states, position_ids)
     return dict.fromkeys(kinds, shared)
+
+
+@contextmanager
+def recording_router_logits(layers: nn.Module, router: OutputRecorder | None, enabled: bool):
+    """Collect the router logits ``[B*T, experts]`` of every MoE layer in ``layers`` while the block runs, from the
+    router outputs the backbone itself records (its ``_can_record_outputs["router_logits"]``). Yields the list the
+    logits are appended to, in layer order (``None`` when not ``enabled`` or the family has no router)."""
+    if not enabled or router is None:
+        yield None
+        return
+    collected: list[torch.Tensor] = []
+
+    def record(module, args, output):
+        collected.append(output[router.index] if isinstance(output, tuple) else output)
+
+    hooks = [module.register_forward_hook(record) for module in layers.modules()
+             if isinstance(module, router.target_class)]
+    try:
+        yield collected
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def expand_to_streams(embeddings: torch.Tensor, hc_mult: int) -> torch.Tensor:
@@ -415,15 +450,29 @@ class MHCPreTrainedModel(PreTrainedModel):
 
     def __init__(self, config: MHCConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
+        # The backbone's float32 modules stay float32 too (DeepSeek-V3's router), with the HC modules.
+        base_model = backbone_classes(config.backbone_config.model_type).base_model
+        self._keep_in_fp32_modules = set(base_model._keep_in_fp32_modules or ())
+        self._keep_in_fp32_modules_strict = set(HC_MODULE_NAMES) | set(base_model._keep_in_fp32_modules_strict or ())
         self._sync_backbone_attn_implementation()
 
     def _sync_backbone_attn_implementation(self) -> None:
-        # The backbone's attention modules read their own (nested) config; it follows the mHC config's choice.
-        self.config.backbone_config._attn_implementation_internal = self.config._attn_implementation
+        # The backbone's attention and MoE experts modules read their own (nested) config; it follows the mHC
+        # config's choices.
+        backbone = self.config.backbone_config
+        backbone._attn_implementation_internal = self.config._attn_implementation
+        backbone._experts_implementation_internal = getattr(self.config, "_experts_implementation_internal", None)
 
     def set_attn_implementation(self, attn_implementation, *args, **kwargs):
         super().set_attn_implementation(attn_implementation, *args, **kwargs)
         self._sync_backbone_attn_implementation()
+
+    def _grouped_mm_can_dispatch(self) -> bool:
+        """The MoE experts are the backbone family's modules: grouped_mm where the family supports it."""
+        base_model = backbone_classes(self.config.backbone_config.model_type).base_model
+        if not base_model._can_set_experts_implementation():
+            raise ValueError(f"{base_model.__name__} does not support setting experts implementation.")
+        return True
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save as an ordinary folder whose ``auto_map`` names every mHC class, for ``trust_remote_code`` loading.
@@ -487,6 +536,7 @@ class MHCModel(MHCPreTrainedModel):
         self.norm = type(norm_like)(backbone.hidden_size, eps=backbone.rms_norm_eps)
         self.rotary_emb = classes.rotary(config=backbone)
         self.rotary_per_layer_type = rotary_takes_layer_type(self.rotary_emb)
+        self.router = classes.router
         self.attention_kinds = tuple(sorted({layer.attention_type for layer in self.layers}))
         self.gradient_checkpointing = False
         self.post_init()
@@ -509,8 +559,12 @@ class MHCModel(MHCPreTrainedModel):
         use_cache: bool | None = None,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
+        output_router_logits: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> BaseModelOutputWithPast | MoeModelOutputWithPast:
+        r"""An MoE backbone returns ``MoeModelOutputWithPast``, whose ``router_logits`` (when
+        ``output_router_logits``, by default the backbone config's) hold one ``[B*T, experts]`` tensor per MoE
+        layer."""
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         backbone = self.config.backbone_config
@@ -538,24 +592,30 @@ class MHCModel(MHCPreTrainedModel):
             masks = attention_masks(backbone, self.attention_kinds, inputs_embeds, attention_mask, cache, position_ids)
         position_embeddings = rotary_embeddings(self.rotary_emb, self.rotary_per_layer_type, self.attention_kinds,
                                                 inputs_embeds, position_ids)
-        streams, all_hidden_states, all_attentions = run_decoder_layers(
-            self.layers,
-            expand_to_streams(inputs_embeds, self.config.hc_mult),
-            masks,
-            position_embeddings,
-            position_ids,
-            cache=cache,
-            use_cache=use_cache,
-            output_hidden_states=output_hidden_states,
-            output_attentions=output_attentions,
-            **kwargs,
-        )
-        return BaseModelOutputWithPast(
+        if output_router_logits is None:
+            output_router_logits = getattr(backbone, "output_router_logits", False)
+        with recording_router_logits(self.layers, self.router, output_router_logits) as router_logits:
+            streams, all_hidden_states, all_attentions = run_decoder_layers(
+                self.layers,
+                expand_to_streams(inputs_embeds, self.config.hc_mult),
+                masks,
+                position_embeddings,
+                position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                output_hidden_states=output_hidden_states,
+                output_attentions=output_attentions,
+                **kwargs,
+            )
+        outputs = dict(
             last_hidden_state=self.norm(self.hc_head(streams)),
             cache=cache if use_cache else None,
             hidden_states=all_hidden_states,
             attentions=all_attentions,
         )
+        if self.router is None:
+            return BaseModelOutputWithPast(**outputs)
+        return MoeModelOutputWithPast(**outputs, router_logits=None if router_logits is None else tuple(router_logits))
 
 
 class MHCForCausalLM(MHCPreTrainedModel, GenerationMixin):
@@ -597,30 +657,45 @@ class MHCForCausalLM(MHCPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        output_router_logits: bool | None = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
-        r"""``labels [B, T]`` (shifted inside, ``-100`` ignored) give ``loss``; ``logits [B, T, vocab]``."""
-        outputs: BaseModelOutputWithPast = self.model(
+    ) -> CausalLMOutputWithPast | MoeCausalLMOutputWithPast:
+        r"""``labels [B, T]`` (shifted inside, ``-100`` ignored) give ``loss``; ``logits [B, T, vocab]``.
+
+        An MoE backbone returns ``MoeCausalLMOutputWithPast``. With ``output_router_logits`` (by default the backbone
+        config's) and a family that defines a load-balancing loss (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), it is the
+        family's own ``load_balancing_loss_func`` of the router logits: ``aux_loss``, added to ``loss`` times the
+        backbone's ``router_aux_loss_coef``, as the backbone's ``*ForCausalLM`` does."""
+        backbone = self.config.backbone_config
+        if output_router_logits is None:
+            output_router_logits = getattr(backbone, "output_router_logits", False)
+        outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            **({"output_router_logits": output_router_logits} if self.model.router is not None else {}),
             **kwargs,
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = scale_logits(self.config.backbone_config, self.lm_head(hidden_states))
+        logits = scale_logits(backbone, self.lm_head(hidden_states))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            cache=outputs.cache,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
-        )
+        fields = dict(loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
+                      attentions=outputs.attentions)
+        if self.model.router is None:
+            return CausalLMOutputWithPast(**fields)
+        aux_loss = None
+        load_balancing_loss = backbone_classes(backbone.model_type).load_balancing_loss
+        if output_router_logits and load_balancing_loss is not None:
+            router = next(m for m in self.model.modules() if isinstance(m, self.model.router.target_class))
+            aux_loss = load_balancing_loss(outputs.router_logits, router.num_experts, router.top_k, attention_mask)
+            if labels is not None:
+                fields["loss"] = loss + backbone.router_aux_loss_coef * aux_loss.to(loss.device)
+        return MoeCausalLMOutputWithPast(**fields, aux_loss=aux_loss, router_logits=outputs.router_logits)
 
 
 class MHCForSequenceClassification(GenericForSequenceClassification, MHCPreTrainedModel):

@@ -39,6 +39,18 @@ FAMILY_SETTINGS: dict[str, dict] = {
     "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.4, logits_scaling=2.5, attention_multiplier=0.3,
                     attention_bias=True, mlp_bias=True),
     "smollm3": dict(no_rope_layer_interval=2, attention_bias=True),
+    # MoE: 4-8 experts, 2 per token, a load-balancing coefficient large enough to show in the loss; Qwen3-MoE and
+    # DeepSeek-V3 with a dense first layer; Qwen2-MoE with its gated shared expert; DeepSeek-V3 with latent attention
+    # (q and kv LoRA ranks), grouped top-k routing over 2 groups and a shared expert.
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=24, router_aux_loss_coef=0.1),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8, mlp_only_layers=[0],
+                      router_aux_loss_coef=0.1, norm_topk_prob=True),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1),
+    "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                        moe_intermediate_size=16, first_k_dense_replace=1, n_shared_experts=1, kv_lora_rank=16,
+                        q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
 }
 
 
@@ -58,14 +70,15 @@ def tiny_backbone_config(family: str, *, tie_word_embeddings: bool = False, **ov
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
-        **FAMILY_SETTINGS[family],
     )
+    common.update(FAMILY_SETTINGS[family])
     common.update(overrides)
     return AutoConfig.for_model(family, **common)
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # the families the older, family-parametrised tests run on
-DENSE_FAMILIES = tuple(FAMILY_SETTINGS)
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+DENSE_FAMILIES = tuple(family for family in FAMILY_SETTINGS if family not in MOE_FAMILIES)
 
 
 @pytest.fixture(autouse=True)
