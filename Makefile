@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/quickstart.py
+	$(PY) examples/quickstart.py --overwrite
 
 # pytest and ruff run from the venv, not `python -m`, which would put the repo root on sys.path
 # and let the top-level kernels/ folder shadow the `kernels` package that transformers imports.

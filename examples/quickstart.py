@@ -8,14 +8,16 @@ Llama trained here on the spot on Python's own help texts (``pydoc_data``), with
 on the same texts. Fine-tuning text: Jane Austen's novels from ``../shared/assets/janeausten`` when present, the
 ``pydoc_data`` texts otherwise. Runs in a few minutes at most on 2 CPU cores.
 
-Bad input (a missing --model folder, a model that cannot be upcycled, ...) stops with one
-"quickstart.py: error: ..." line and exit status 2.
+Bad input (a missing --model folder, a model that cannot be upcycled, a non-empty --output-dir, ...) stops with one
+"quickstart.py: error: ..." line and exit status 2, before any work. --overwrite replaces an earlier output in
+--output-dir: a folder holding checkpoint files and quickstart's trainer/ folder, nothing else.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -36,6 +38,7 @@ from transformers.utils import logging as hf_logging
 
 import hf_mhc
 from hf_mhc.cli import first_line, folder_error, output_path_error
+from hf_mhc.conversion.convert import COPIED_FOLDERS, foreign_entries
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 STORIES260K = ASSETS / "stories260K"
@@ -115,6 +118,42 @@ def load_source(parser: argparse.ArgumentParser, name: str):
     return source, tokenizer
 
 
+TRAINER_FOLDER = "trainer"  # Trainer's scratch folder inside --output-dir
+
+
+def check_output_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Path:
+    """``--output-dir``, refused (one ``parser.error`` line) when it is or holds ``--model``, or is not empty without
+    ``--overwrite``, or holds anything but an earlier output (a ``.git`` folder, notes, a stale adapter, ...)."""
+    unusable = output_path_error(args.output_dir, folder=True)
+    if unusable is not None:
+        parser.error(f"--output-dir {args.output_dir}: {unusable}")
+    out = Path(args.output_dir).expanduser().resolve()
+    if args.model and Path(args.model).expanduser().exists():
+        model = Path(args.model).expanduser().resolve()
+        if out == model or out in model.parents or model in out.parents:
+            parser.error(f"--output-dir {args.output_dir} is --model {args.model} or a folder around or inside it; "
+                         "choose a new folder")
+    if not out.is_dir() or not any(out.iterdir()):
+        return out
+    if not args.overwrite:
+        parser.error(f"--output-dir {args.output_dir} is not empty; choose a new folder or pass --overwrite")
+    foreign = [name for name in foreign_entries(out) if name != f"{TRAINER_FOLDER}/"]
+    if foreign:
+        parser.error(f"--output-dir {args.output_dir} holds more than an earlier output ({', '.join(foreign[:5])}); "
+                     "--overwrite would delete them: move them away or choose a new folder")
+    return out
+
+
+def clear_earlier_output(out: Path) -> None:
+    """Delete the checkpoint files of an earlier output checked by :func:`check_output_dir` (trainer/ is this run's
+    Trainer folder by now)."""
+    for entry in out.iterdir():
+        if entry.is_dir() and entry.name in COPIED_FOLDERS:
+            shutil.rmtree(entry)
+        elif entry.is_file():
+            entry.unlink()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="residual causal LM folder or Hub id (default: see above)")
@@ -122,14 +161,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=60, help="Trainer fine-tuning steps (default 60)")
     parser.add_argument("--pretrain-steps", type=int, default=300, help="steps for the on-the-spot default model")
     parser.add_argument("--output-dir", default="outputs/quickstart", help="where the mHC model is saved")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier output in --output-dir (checkpoint files and trainer/ only)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for name in ("steps", "pretrain_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    unusable = output_path_error(args.output_dir, folder=True)
-    if unusable is not None:
-        parser.error(f"--output-dir {args.output_dir}: {unusable}")
+    out = check_output_dir(parser, args)
     started = time.perf_counter()
     torch.manual_seed(args.seed)
 
@@ -169,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     loss_before = mean_loss(model, eval_blocks)
     train_set = Dataset.from_dict({"input_ids": train_blocks.tolist(), "labels": train_blocks.tolist()})
     training_args = TrainingArguments(
-        output_dir=str(Path(args.output_dir) / "trainer"), max_steps=args.steps, per_device_train_batch_size=8,
+        output_dir=str(Path(args.output_dir) / TRAINER_FOLDER), max_steps=args.steps, per_device_train_batch_size=8,
         learning_rate=2e-3, warmup_steps=5, lr_scheduler_type="cosine", logging_steps=max(1, args.steps // 6),
         save_strategy="no", report_to=[], use_cpu=True, seed=args.seed, disable_tqdm=True,
     )
@@ -184,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     print("  " + tokenizer.decode(sample[0], skip_special_tokens=True).replace("\n", " "))
 
     print(f"5. Save to {args.output_dir} and reload with AutoModelForCausalLM")
+    if out.is_dir():
+        clear_earlier_output(out)  # checked before any work: only what an earlier run wrote
     model.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
     reloaded = AutoModelForCausalLM.from_pretrained(args.output_dir).eval()

@@ -3,6 +3,7 @@ traceback (``hf-mhc``, ``examples/quickstart.py``; ``examples/finetune.py`` in t
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 
@@ -88,3 +89,33 @@ def test_quickstart_bad_input_gets_a_one_line_error(quickstart, tmp_path, capsys
     assert "is a 'mhc' model; quickstart upcycles a residual" in quickstart_error(
         quickstart, ["--model", str(mhc_dir)], capsys
     )
+
+
+def test_quickstart_never_writes_into_its_model_or_a_folder_with_other_files(quickstart, tmp_path, capsys):
+    """Checked before any work: the source folder, a non-empty folder without --overwrite, and with --overwrite a
+    folder holding anything but an earlier output (a stale adapter would be applied on reload; notes would be lost)."""
+    model = tmp_path / "model"
+    LlamaForCausalLM(tiny_backbone_config("llama")).save_pretrained(model)
+    before = sorted(path.name for path in model.iterdir())
+    for output_dir in (model, tmp_path):
+        assert "is --model" in quickstart_error(quickstart, ["--model", str(model), "--output-dir", str(output_dir)],
+                                               capsys)
+    assert sorted(path.name for path in model.iterdir()) == before
+
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "config.json").write_text("{}")
+    (earlier / "model.safetensors").write_bytes(b"old")
+    (earlier / "trainer").mkdir()
+    assert "is not empty; choose a new folder or pass --overwrite" in quickstart_error(
+        quickstart, ["--output-dir", str(earlier)], capsys)
+    for stray in ("adapter_config.json", "NOTES.md"):
+        (earlier / stray).write_text("{}")
+        message = quickstart_error(quickstart, ["--output-dir", str(earlier), "--overwrite"], capsys)
+        assert f"holds more than an earlier output ({stray})" in message
+        (earlier / stray).unlink()
+    args = argparse.Namespace(output_dir=str(earlier), model=None, overwrite=True)
+    assert quickstart.check_output_dir(argparse.ArgumentParser(), args) == earlier.resolve()
+    quickstart.clear_earlier_output(earlier)
+    assert sorted(path.name for path in earlier.iterdir()) == ["trainer"]
+
