@@ -159,7 +159,7 @@ class MHCConfig(PreTrainedConfig):
     hc_init_comb_diag: float = 2.0
     hc_init_dynamic_scale: float = 0.01
     hc_recompute: bool = False
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool | None = None  # None: the backbone's; a value given here is written to the backbone
 
     def __post_init__(self, **kwargs):
         # Fields arrive as attributes, everything else (transformers_version, auto_map, ...) in kwargs: an hc_* key
@@ -167,11 +167,29 @@ class MHCConfig(PreTrainedConfig):
         check_hc_options(kwargs, "MHCConfig", only_hc_prefixed=True)
         if isinstance(self.backbone_config, dict):
             check_backbone_type(self.backbone_config.get("model_type"))
+        # Backbone settings given here (use_cache=False, pad_token_id=3, ...) go to the backbone config, all alike:
+        # transformers would drop some of them (the generation ones) from an mHC config's keywords.
+        backbone_settings = {name: kwargs.pop(name) for name in list(kwargs) if name in self._backbone_fields()}
         super().__post_init__(**kwargs)
         check_backbone_type(self.backbone_config.model_type, self.backbone_config)
+        for name, value in backbone_settings.items():
+            setattr(self.backbone_config, name, value)
         self._check_hc_values()
         # One source of truth for tying: the backbone's own flag, mirrored where transformers looks for it.
-        self.tie_word_embeddings = bool(getattr(self.backbone_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings is None:
+            self.tie_word_embeddings = bool(getattr(self.backbone_config, "tie_word_embeddings", False))
+        else:
+            self.backbone_config.tie_word_embeddings = bool(self.tie_word_embeddings)
+            self.tie_word_embeddings = bool(self.tie_word_embeddings)
+
+    def _backbone_fields(self) -> set[str]:
+        """The settings of the backbone's config class that the mHC config does not have itself."""
+        backbone = self.backbone_config
+        if isinstance(backbone, dict):
+            backbone_class = type(AutoConfig.for_model(backbone["model_type"]))
+        else:
+            backbone_class = type(backbone) if backbone is not None else type(AutoConfig.for_model("llama"))
+        return set(backbone_class.__dataclass_fields__) - set(type(self).__dataclass_fields__)
 
     def _check_hc_values(self) -> None:
         """One-line ``ValueError`` for the first mHC value out of range or of the wrong type."""
@@ -210,6 +228,9 @@ class MHCConfig(PreTrainedConfig):
             and name in type(backbone).__dataclass_fields__
         ):
             setattr(backbone, name, value)
+        elif name == "tie_word_embeddings" and value is not None and isinstance(backbone, PreTrainedConfig):
+            backbone.tie_word_embeddings = value  # both places, or a saved checkpoint reloads untied
+            super().__setattr__(name, value)
         elif name.startswith("hc_") and isinstance(backbone, PreTrainedConfig):
             # A value set after construction (also `from_pretrained(path, hc_...=...)`) is checked like one passed to
             # the constructor; a refused one leaves the config as it was.

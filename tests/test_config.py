@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from conftest import tiny_backbone_config
-from transformers import AutoConfig, GPT2Config, LlamaConfig, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
 from hf_mhc import MHCConfig
 from hf_mhc.configuration_mhc import MAX_SINKHORN_ITERS, hc_options
@@ -157,3 +157,36 @@ def test_unsupported_backbone_lists_the_supported_ones(backbone):
 def test_invalid_hc_init_is_rejected():
     with pytest.raises((ValueError, TypeError), match="hc_init"):
         MHCConfig(backbone_config=tiny_backbone_config("llama"), hc_init="zeros")
+
+
+def test_backbone_settings_given_to_the_mhc_config_reach_the_backbone(tmp_path):
+    """``use_cache`` too, which transformers drops from an mHC config's keywords as a generation setting, also from a
+    top-level key of a hand-written config.json."""
+    config = MHCConfig(backbone_config=tiny_backbone_config("llama"), use_cache=False, pad_token_id=3)
+    assert (config.backbone_config.use_cache, config.backbone_config.pad_token_id) == (False, 3)
+    assert MHCConfig(backbone_config=tiny_backbone_config("llama").to_dict(), use_cache=False).use_cache is False
+    config = MHCConfig(backbone_config=tiny_backbone_config("llama"))
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "use_cache": False}))
+    assert MHCConfig.from_pretrained(tmp_path).backbone_config.use_cache is False
+
+
+@pytest.mark.parametrize("how", ["constructor", "setattr"])
+def test_tying_set_on_the_mhc_config_is_the_backbones_and_survives_a_reload(how, tmp_path):
+    from hf_mhc import MHCForCausalLM
+
+    if how == "constructor":
+        config = MHCConfig(backbone_config=tiny_backbone_config("llama"), tie_word_embeddings=True)
+    else:
+        config = MHCConfig(backbone_config=tiny_backbone_config("llama"))
+        config.tie_word_embeddings = True
+    assert config.tie_word_embeddings is True and config.backbone_config.tie_word_embeddings is True
+    model = MHCForCausalLM(config).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+    ids = torch.randint(0, 50, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=0, rtol=0)
