@@ -19,6 +19,7 @@ import hf_mhc
 from hf_mhc import MHCForCausalLM
 from hf_mhc.cli import main
 from hf_mhc.configuration_mhc import BACKBONE_WIRINGS, SUPPORTED_BACKBONES, BackboneWiring
+from hf_mhc.distributed import split_pipeline
 from hf_mhc.modeling_mhc import HC_MODULE_NAMES, sinkhorn
 from hf_mhc.peft import lora_target_modules, mhc_lora_config
 
@@ -253,6 +254,7 @@ def test_lora_targets_the_family_projections(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gradient_checkpointing_gives_the_same_gradients(family):
+    """Before any optimizer step: the same gradients with activation checkpointing, and with it plus hc_recompute."""
     model = randomise_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).train()
     ids = token_ids()
 
@@ -265,9 +267,27 @@ def test_gradient_checkpointing_gives_the_same_gradients(family):
     model.activation_checkpointing_enable()
     assert model.model.layers[0].gradient_checkpointing
     checkpointed = grads()
-    assert plain.keys() == checkpointed.keys()
+    for layer in model.model.layers:  # and selective recomputation of the mHC maps on top (hc_recompute)
+        layer.hc_recompute = True
+    recomputed = grads()
+    assert plain.keys() == checkpointed.keys() == recomputed.keys()
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(recomputed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pipeline_stages_compute_the_model(family):
+    """The stages run the model's own layer loop, embedding scaling, rotary embeddings per attention kind and logit
+    scaling: chained, they give the model's logits."""
+    mhc = randomise_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).eval()
+    ids = token_ids(2, 9)  # longer than the sliding windows
+    with torch.no_grad():
+        expected = mhc(ids).logits
+        hidden = ids
+        for stage in split_pipeline(mhc, num_stages=2):
+            hidden = stage(hidden)
+    torch.testing.assert_close(hidden, expected, atol=0, rtol=0)
 
 
 def test_a_setting_the_wiring_refuses_gets_one_line():
