@@ -12,6 +12,9 @@ hidden vector per token, as in the backbone) and caches the backbone's keys and 
   dynamic cache's top-1/top-2 logit margin is within twice the quantized cache's logit error (measured along the
   same tokens), which bounds it on any CPU; on stories260K, 8-bit HQQ keeps the first 20 tokens (40 measured).
 
+* MLA (DeepSeek-V3, which caches the compressed latent and the shared RoPE key): the quantized cache on the source
+  model, and on the upcycled one where ``deepseek_v3`` is an mHC backbone (skipped otherwise).
+
 ``optimum-quanto`` and ``hqq`` are optional (``pip install 'hf-mhc[quant]'``, not in ``dev``): their cases skip
 when the package is missing. The ``fp8`` backend needs neither and always runs.
 """
@@ -178,10 +181,21 @@ def test_quantized_cache_bytes_on_mhc(backend, nbits):
     assert cache_bytes(prefill(source, ids, make_cache(source, backend, nbits))) == q_bytes
 
 
-def test_mhc_cache_equals_source_cache():
+needs_mla_mhc = pytest.mark.skipif("deepseek_v3" not in hf_mhc.SUPPORTED_BACKBONES,
+                                   reason="deepseek_v3 is not an mHC backbone yet")
+
+
+def tiny_source(family: str):
+    if family == "deepseek_v3":
+        return DeepseekV3ForCausalLM(tiny_deepseek_v3_config())
+    return LlamaForCausalLM(tiny_backbone_config(family))
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("deepseek_v3", marks=needs_mla_mhc)])
+def test_mhc_cache_equals_source_cache(family):
     """The upcycled model's keys and values are its source's (attention sees the collapsed stream, which at
     function-preserving init is the source's hidden state), layer by layer."""
-    source, model = upcycled_pair(LlamaForCausalLM(tiny_backbone_config("llama")))
+    source, model = upcycled_pair(tiny_source(family))
     ids = torch.randint(3, VOCAB, (2, 17))
     theirs, ours = prefill(source, ids, make_cache(source, None)), prefill(model, ids, make_cache(model, None))
     assert len(ours.layers) == len(theirs.layers) == source.config.num_hidden_layers
@@ -256,8 +270,8 @@ def tiny_deepseek_v3_config() -> DeepseekV3Config:
     return DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
-        topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
-        qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=128, pad_token_id=0)
+        topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=8,
+        qk_rope_head_dim=16, v_head_dim=8, max_position_embeddings=128, pad_token_id=0)
 
 
 def mla_generate(model, backend: str, nbits: int | None) -> QuantizedCache:
@@ -277,13 +291,16 @@ def test_quantized_cache_on_mla_backbone(backend, nbits):
     assert isinstance(cache, QuantizedCache) and cache.get_seq_length() == 14
 
 
-@pytest.mark.skipif("deepseek_v3" not in hf_mhc.SUPPORTED_BACKBONES, reason="deepseek_v3 is not an mHC backbone yet")
+@needs_mla_mhc
 @pytest.mark.parametrize(("backend", "nbits"), BACKENDS)
 def test_quantized_cache_on_mla_mhc(backend, nbits):
-    source, model = upcycled_pair(DeepseekV3ForCausalLM(tiny_deepseek_v3_config()))
+    """An upcycled DeepSeek-V3 (MLA): the source's cache bytes, below half the dynamic cache's, and greedy agreement
+    as far as the logit errors guarantee."""
+    source, model = upcycled_pair(tiny_source("deepseek_v3"))
     ids = torch.randint(3, VOCAB, (1, 16))
-    assert cache_bytes(prefill(model, ids, make_cache(model, backend, nbits))) == cache_bytes(
-        prefill(source, ids, make_cache(source, backend, nbits)))
-    assert cache_bytes(prefill(model, ids, make_cache(model, backend, nbits))) < cache_bytes(
-        prefill(model, ids, make_cache(model, None))) / 2
+    quantized = cache_bytes(prefill(model, ids, make_cache(model, backend, nbits)))
+    assert quantized == cache_bytes(prefill(source, ids, make_cache(source, backend, nbits)))
+    assert quantized < cache_bytes(prefill(model, ids, make_cache(model, None))) / 2
     assert mla_generate(model, backend, nbits).get_seq_length() == 14
+    result = check_greedy(model, torch.randint(3, VOCAB, (1, 13)), backend, nbits, new_tokens=8)
+    assert result["agreement"] >= result["guaranteed"], result
