@@ -41,6 +41,7 @@ from typing import NamedTuple
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, PreTrainedConfig
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.dynamic_module_utils import custom_object_save
 
 from hf_mhc.configuration_mhc import MHCConfig, check_backbone_type, check_hc_options
@@ -418,6 +419,13 @@ def plan_tensors(config: MHCConfig, checkpoint: SourceCheckpoint, dtype: torch.d
     }
     missing = [name for name in expected if name not in copied]
     unexpected = [name for name in copied if name not in expected]
+    if unexpected and get_checkpoint_conversion_mapping(family) is not None:
+        raise ConversionError(
+            f"the weights in {checkpoint.folder} are in the layout published {family} checkpoints use (e.g. "
+            f"{unexpected[0]}: one tensor per MoE expert), which transformers converts on load and hf-mhc convert "
+            f"does not yet: upcycle the loaded model instead, hf_mhc.upcycle(AutoModelForCausalLM.from_pretrained("
+            f"SRC)).save_pretrained(OUT)."
+        )
     if missing or unexpected:
         raise ConversionError(
             f"the weights in {checkpoint.folder} do not match a {family} causal LM with this config: "

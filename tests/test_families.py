@@ -218,7 +218,7 @@ def test_trust_remote_code_load_without_the_plugin(family, remote_code_logits):
     assert_logits_close(remote, local, tolerance=1e-5)
 
 
-# MoE sources are saved in the published one-tensor-per-expert layout, which hf-mhc convert does not yet fuse.
+# MoE sources are saved in the published one-tensor-per-expert layout, which hf-mhc convert does not yet fuse (below).
 @pytest.mark.parametrize("family", DENSE_FAMILIES)
 def test_convert_of_the_saved_source(family, tmp_path, capsys):
     source = source_model(family)
@@ -228,6 +228,25 @@ def test_convert_of_the_saved_source(family, tmp_path, capsys):
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert isinstance(converted, MHCForCausalLM) and converted.config.backbone_config.model_type == family
     assert set(source.state_dict()) <= set(converted.state_dict())  # every backbone tensor under its own name
+    ids = token_ids()
+    with torch.no_grad():
+        assert_logits_close(converted(ids).logits, source(ids).logits)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_published_moe_layout_is_refused_by_convert_and_upcycles_from_the_loaded_model(family, tmp_path, capsys):
+    """MoE checkpoints are saved with one tensor per expert, which transformers fuses on load by model type.
+    ``hf-mhc convert`` copies tensors as they are, so it says so in one line and names the way that works:
+    upcycling the loaded model, whose mHC checkpoint then loads with the source's logits."""
+    source = source_model(family)
+    source.save_pretrained(tmp_path / "src")
+    status = main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--no-verify"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hf-mhc convert: error: ")]
+    assert status == 1 and len(errors) == 1 and "one tensor per MoE expert" in errors[0], errors
+    assert "hf_mhc.upcycle(AutoModelForCausalLM.from_pretrained(SRC)).save_pretrained(OUT)" in errors[0]
+    assert not (tmp_path / "out").exists()
+    hf_mhc.upcycle(AutoModelForCausalLM.from_pretrained(tmp_path / "src")).save_pretrained(tmp_path / "out")
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     ids = token_ids()
     with torch.no_grad():
         assert_logits_close(converted(ids).logits, source(ids).logits)
