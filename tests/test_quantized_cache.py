@@ -7,11 +7,11 @@ hidden vector per token, as in the backbone) and caches the backbone's keys and 
 * cache bytes: counted from the tensors the cache layers hold after a forward pass (quanto's packed tensors
   unflattened into their storage), the dynamic cache against its closed form ``2 L B H_kv T D`` floats, the
   quantized one against ``nbits`` bits per value plus a float32 scale and zero per group;
-* the upcycled model's cache equals its source Llama's, in size and, at function-preserving init, in values;
+* the upcycled model's cache equals its source's (Llama; DeepSeek-V3 where supported), in size and, at
+  function-preserving init, in values;
 * greedy agreement with the dynamic cache: the generated tokens equal up to at least the first step where the
   dynamic cache's top-1/top-2 logit margin is within twice the quantized cache's logit error (measured along the
-  same tokens), which bounds it on any CPU; on stories260K, 8-bit HQQ keeps the first 20 tokens (40 measured).
-
+  same tokens), which bounds it on any CPU; on stories260K, 8-bit HQQ keeps the first 20 tokens (40 measured);
 * MLA (DeepSeek-V3, which caches the compressed latent and the shared RoPE key): the quantized cache on the source
   model, and on the upcycled one where ``deepseek_v3`` is an mHC backbone (skipped otherwise).
 
