@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-SCRIPTS = ["bench_kernels", "bench_memory", "bench_training_step", "bench_upcycle", "bench_convert"]
+SCRIPTS = ["bench_kernels", "bench_memory", "bench_training_step", "bench_upcycle", "bench_convert", "bench_kv_cache"]
 TINY = {
     "bench_kernels": ["--n", "2", "--hidden", "16", "--tokens", "8", "--repeats", "1", "--device", "cpu"],
     "bench_memory": ["--n", "2", "--hidden", "128", "--layers", "1", "--tokens", "16"],
@@ -22,6 +22,7 @@ TINY = {
                             "--device", "cpu"],
     "bench_upcycle": ["--repeats", "1"],
     "bench_convert": ["--repeats", "1"],
+    "bench_kv_cache": ["--tiny", "--models", "dense", "--prompts", "1", "--new-tokens", "2", "--context", "16"],
 }
 PROGRESS = {
     "bench_kernels": "repeat 1/1: ",
@@ -29,6 +30,7 @@ PROGRESS = {
     "bench_training_step": "repeat 1/1: ",
     "bench_upcycle": "repeat 1/1: hf_mhc.upcycle",
     "bench_convert": "repeat 1/1: convert",
+    "bench_kv_cache": "dense: cache 6/6: fp8: prompt 1/1",
 }
 
 
