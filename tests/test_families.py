@@ -327,3 +327,14 @@ def test_a_wiring_entry_that_does_not_fit_the_layer_names_what(monkeypatch):
     monkeypatch.setitem(BACKBONE_WIRINGS, "phi3", BackboneWiring())  # a dropout, no weights, but not the identity
     with pytest.raises(ValueError, match=r"Phi3DecoderLayer has \['resid_attn_dropout', 'resid_mlp_dropout'\]"):
         MHCForCausalLM(hf_mhc.MHCConfig(backbone_config=tiny_backbone_config("phi3")))
+
+
+def test_bfloat16_load_keeps_the_backbone_float32_modules_too(tmp_path):
+    """DeepSeek-V3 keeps its router (``gate.weight``, ``e_score_correction_bias``) in float32, as its own model
+    does, also from a checkpoint that stores them in bfloat16."""
+    hf_mhc.upcycle(source_model("deepseek_v3").to(torch.bfloat16)).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    router = model.model.layers[1].mlp.gate
+    assert router.weight.dtype == router.e_score_correction_bias.dtype == torch.float32
+    assert model.model.layers[1].attn_hc.fn.dtype == torch.float32
+    assert model.model.layers[1].self_attn.q_a_proj.weight.dtype == torch.bfloat16
