@@ -71,7 +71,8 @@ def quickstart_error(quickstart, argv: list[str], capsys) -> str:
     return lines[-1]
 
 
-def test_quickstart_bad_input_gets_a_one_line_error(quickstart, tmp_path, capsys):
+def test_quickstart_bad_input_gets_a_one_line_error(quickstart, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the default --output-dir outputs/quickstart of an earlier `make demo` is elsewhere
     assert quickstart_error(quickstart, ["--model", "./missing"], capsys).endswith(
         "error: --model: no such folder: ./missing"
     )
