@@ -6,8 +6,8 @@
         --dataset wikitext --dataset-config wikitext-2-raw-v1 --report-to tensorboard
     accelerate launch --config_file examples/accelerate/multi_gpu_ddp.yaml examples/finetune.py --model ...
 
---model: an mHC checkpoint, or with --upcycle a residual Llama / Mistral / Qwen2 / Qwen3 one, converted on the fly
-(function-preserving, so training starts from the source model's exact behaviour). Default:
+--model: an mHC checkpoint, or with --upcycle a residual one of a supported family (hf_mhc.SUPPORTED_BACKBONES),
+converted on the fly (function-preserving, so training starts from the source model's exact behaviour). Default:
 ../shared/assets/stories260K (a real pretrained Llama, upcycled) when that folder exists.
 --dataset: a Hugging Face Hub dataset id, or local .txt / .json / .jsonl / .csv / .parquet files (a path, a glob or
 a folder of them; null and empty texts are skipped).
@@ -558,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
             model.name_or_path = str((out / "upcycled_base").absolute())
         elif Path(args.model).expanduser().is_dir():
             model.name_or_path = str(Path(args.model).expanduser().absolute())  # found from any working directory
-        lora_config = mhc_lora_config(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout)
+        lora_config = mhc_lora_config(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                      model_type=model.config.backbone_config.model_type)  # the family's projections
         set_seed(args.seed)  # the LoRA A matrices are random: the same --seed gives the same run
         model = get_peft_model(model, lora_config)
     trainer = Trainer(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,

@@ -1,7 +1,7 @@
 """hf-mhc quickstart: upcycle a residual causal LM to mHC, check it is exact, fine-tune, generate, save, reload.
 
     python examples/quickstart.py                       # default model, no download
-    python examples/quickstart.py --model PATH_OR_ID    # any Llama / Mistral / Qwen2 / Qwen3 causal LM
+    python examples/quickstart.py --model PATH_OR_ID    # a causal LM of any family in hf_mhc.SUPPORTED_BACKBONES
 
 Default model: ``../shared/assets/stories260K`` (a real pretrained Llama) when that folder exists; otherwise a small
 Llama trained here on the spot on Python's own help texts (``pydoc_data``), with a byte-level BPE tokenizer trained

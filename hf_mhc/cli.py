@@ -159,7 +159,7 @@ def _setup_inspect(parser: argparse.ArgumentParser) -> None:
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
-    "convert": Subcommand("convert a Llama/Mistral/Qwen2/Qwen3 checkpoint into an mHC checkpoint", _setup_convert),
+    "convert": Subcommand("convert a residual causal-LM checkpoint into an mHC checkpoint", _setup_convert),
     "inspect": Subcommand("stability diagnostics of an mHC checkpoint", _setup_inspect),
 }
 
