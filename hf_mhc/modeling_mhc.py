@@ -183,9 +183,7 @@ class MHCHyperConnection(nn.Module):
         n, hidden = config.hc_mult, config.backbone_config.hidden_size
         self.sublayer_index = sublayer_index
         self.hc_mult = n
-        self.hc_sinkhorn_iters = config.hc_sinkhorn_iters
-        self.hc_eps = config.hc_eps
-        self.norm_eps = config.backbone_config.rms_norm_eps
+        self.config = config  # the settings below are read from it at each call, so a change to it takes effect
         self.fn = nn.Parameter(torch.empty((n + 2) * n, n * hidden, dtype=torch.float32))
         self.base = nn.Parameter(torch.empty((n + 2) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
@@ -200,6 +198,10 @@ class MHCHyperConnection(nn.Module):
         """The site's maps alone: ``pre [B, T, n]``, ``post [B, T, n]``, ``comb [B, T, n, n]`` (float32)."""
         return mhc_coeffs(streams, self.fn, self.base, self.scale, **self._map_settings())
 
+    hc_sinkhorn_iters = property(lambda self: self.config.hc_sinkhorn_iters)
+    hc_eps = property(lambda self: self.config.hc_eps)
+    norm_eps = property(lambda self: self.config.backbone_config.rms_norm_eps)
+
     def _map_settings(self) -> dict:
         return dict(sinkhorn_iters=self.hc_sinkhorn_iters, eps=self.hc_eps, norm_eps=self.norm_eps)
 
@@ -211,11 +213,13 @@ class MHCHyperHead(nn.Module):
     def __init__(self, config: MHCConfig):
         super().__init__()
         n, hidden = config.hc_mult, config.backbone_config.hidden_size
-        self.hc_eps = config.hc_eps
-        self.norm_eps = config.backbone_config.rms_norm_eps
+        self.config = config  # hc_eps and norm_eps are read from it at each call
         self.hc_fn = nn.Parameter(torch.empty(n, n * hidden, dtype=torch.float32))
         self.hc_base = nn.Parameter(torch.empty(n, dtype=torch.float32))
         self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
+
+    hc_eps = MHCHyperConnection.hc_eps
+    norm_eps = MHCHyperConnection.norm_eps
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """``streams [B, T, n, C]`` -> ``[B, T, C]`` (streams' dtype), not a view (see MHCHyperConnection)."""
@@ -252,9 +256,19 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         self.mlp_before, self.mlp_after = wiring.mlp_before, wiring.mlp_after
         multiplier = wiring.residual_multiplier
         self.residual_multiplier = None if multiplier is None else getattr(backbone, multiplier)
-        self.hc_recompute = config.hc_recompute
+        self.config = config
+        self.layer_hc_recompute: bool | None = None  # set on one layer: that layer's own choice
         self.attn_hc = MHCHyperConnection(config, sublayer_index=2 * layer_idx)
         self.ffn_hc = MHCHyperConnection(config, sublayer_index=2 * layer_idx + 1)
+
+    @property
+    def hc_recompute(self) -> bool:
+        """Selective recomputation in this layer: ``config.hc_recompute``, unless set on the layer itself."""
+        return self.config.hc_recompute if self.layer_hc_recompute is None else self.layer_hc_recompute
+
+    @hc_recompute.setter
+    def hc_recompute(self, value: bool) -> None:
+        self.layer_hc_recompute = value
 
     def forward(
         self,

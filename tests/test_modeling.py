@@ -240,3 +240,22 @@ def test_selective_recomputation_gives_the_same_gradients_and_saves_less():
     _, checkpointed_grads = loss_and_grads()
     for name in plain_grads:
         torch.testing.assert_close(checkpointed_grads[name], plain_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_mhc_settings_changed_on_a_built_model_take_effect_and_save_as_they_run(tmp_path):
+    """The sites read ``hc_sinkhorn_iters``, ``hc_eps`` and ``hc_recompute`` from the config at each call: a model
+    whose config was changed computes what its saved checkpoint computes after reloading."""
+    model, ids = random_mhc(), token_ids()
+    with torch.no_grad():
+        before = model(ids).logits
+        model.config.hc_sinkhorn_iters, model.config.hc_eps = 1, 1e-3
+        after = model(ids).logits
+    assert not torch.allclose(after, before, atol=1e-6)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, after, atol=0, rtol=0)
+    model.config.hc_recompute = True
+    assert all(layer.hc_recompute for layer in model.model.layers)
+    model.model.layers[0].hc_recompute = False  # one layer's own choice
+    assert [layer.hc_recompute for layer in model.model.layers] == [False, True]
