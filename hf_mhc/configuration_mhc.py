@@ -11,6 +11,7 @@ from typing import Literal
 from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,10 +186,12 @@ class MHCConfig(PreTrainedConfig):
     def _backbone_fields(self) -> set[str]:
         """The settings of the backbone's config class that the mHC config does not have itself."""
         backbone = self.backbone_config
-        if isinstance(backbone, dict):
-            backbone_class = type(AutoConfig.for_model(backbone["model_type"]))
-        else:
-            backbone_class = type(backbone) if backbone is not None else type(AutoConfig.for_model("llama"))
+        if isinstance(backbone, PreTrainedConfig):
+            backbone_class = type(backbone)
+        elif isinstance(backbone, dict):  # its model_type is checked already
+            backbone_class = CONFIG_MAPPING[backbone["model_type"]]
+        else:  # None: the default backbone
+            backbone_class = CONFIG_MAPPING[self.sub_configs_defaults["backbone_config"].model_type]
         return set(backbone_class.__dataclass_fields__) - set(type(self).__dataclass_fields__)
 
     def _check_hc_values(self) -> None:
