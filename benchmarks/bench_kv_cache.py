@@ -50,6 +50,7 @@ from transformers import (
 from transformers.utils import is_hqq_available, is_optimum_quanto_available
 
 import hf_mhc
+from hf_mhc.kernels.profiling import cache_bytes
 
 STORIES260K = Path(__file__).resolve().parents[2] / "shared" / "assets" / "stories260K"
 PROMPTS = [
@@ -93,30 +94,12 @@ def make_cache(model, backend: str, nbits: int | None):
     return QuantizedCache(options.pop("backend"), model.config, **options)
 
 
-def tensor_bytes(value, seen: set[int]) -> int:
-    """Bytes of the tensors reachable from ``value``; a wrapper tensor subclass (quanto) by its inner tensors."""
-    if isinstance(value, torch.Tensor):
-        if id(value) in seen:
-            return 0
-        seen.add(id(value))
-        if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
-            names, _ = value.__tensor_flatten__()
-            return sum(tensor_bytes(getattr(value, name), seen) for name in names)
-        return value.numel() * value.element_size()
-    if isinstance(value, (tuple, list)):
-        return sum(tensor_bytes(item, seen) for item in value)
-    if isinstance(value, dict):
-        return sum(tensor_bytes(item, seen) for item in value.values())
-    return 0
-
-
 @torch.no_grad()
 def cache_bytes_after(model, input_ids: torch.Tensor, backend: str, nbits: int | None) -> int:
     """Bytes the cache layers hold after one forward pass over ``input_ids``."""
     cache = make_cache(model, backend, nbits)
     model(input_ids=input_ids, cache=cache, use_cache=True)
-    seen: set[int] = set()
-    return sum(tensor_bytes(vars(layer), seen) for layer in cache.layers)
+    return cache_bytes(cache)
 
 
 def load_models(kind: str, tiny: bool):

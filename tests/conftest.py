@@ -84,3 +84,12 @@ DENSE_FAMILIES = tuple(family for family in FAMILY_SETTINGS if family not in MOE
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from threads, and OpenMP threads spin against each other on a busy shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -59,13 +59,7 @@ def leftovers(parent: Path) -> list[str]:
     return [entry.name for entry in parent.iterdir() if ".hf-mhc-" in entry.name]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and OpenMP threads spin against each other on a busy shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

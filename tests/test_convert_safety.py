@@ -16,12 +16,14 @@ import huggingface_hub.constants
 import pytest
 import torch
 from conftest import tiny_backbone_config
-from test_convert import _one_thread, assert_one_line_error, convert, leftovers, save_source  # noqa: F401
+from test_convert import assert_one_line_error, convert, leftovers, save_source
 from transformers import AutoModelForCausalLM
 
 import hf_mhc.conversion.convert as convert_module
 import hf_mhc.conversion.verify as verify_module
 from hf_mhc.conversion import ConversionError, VerificationError, VerificationResult, convert_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def folder_digest(folder: Path) -> dict[str, str]:

@@ -27,13 +27,7 @@ FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 assert set(FAMILIES) == set(SUPPORTED_BACKBONES), "every supported family has a row here"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and OpenMP threads spin against each other on a busy shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def source_model(family: str) -> torch.nn.Module:

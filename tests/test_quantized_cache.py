@@ -39,6 +39,7 @@ from transformers import (
 from transformers.utils import is_hqq_available, is_optimum_quanto_available
 
 import hf_mhc
+from hf_mhc.kernels.profiling import cache_bytes
 
 needs_quanto = pytest.mark.skipif(not is_optimum_quanto_available(),
                                   reason="optimum-quanto is not installed (pip install 'hf-mhc[quant]')")
@@ -78,30 +79,6 @@ def make_cache(model, backend: str | None, nbits: int | None = None):
         return DynamicCache(config=model.config)
     options = cache_config(backend, nbits, model.config)
     return QuantizedCache(options.pop("backend"), model.config, **options)
-
-
-def tensor_bytes(value, seen: set[int] | None = None) -> int:
-    """Bytes of the tensors reachable from ``value`` (tensors, tuples, lists, dicts). A tensor subclass that wraps
-    others (quanto's ``QTensor``, whose own ``element_size`` is the float dtype's) is counted by its inner tensors."""
-    seen = set() if seen is None else seen
-    if isinstance(value, torch.Tensor):
-        if id(value) in seen:
-            return 0
-        seen.add(id(value))
-        if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
-            names, _ = value.__tensor_flatten__()
-            return sum(tensor_bytes(getattr(value, name), seen) for name in names)
-        return value.numel() * value.element_size()
-    if isinstance(value, (tuple, list)):
-        return sum(tensor_bytes(item, seen) for item in value)
-    if isinstance(value, dict):
-        return sum(tensor_bytes(item, seen) for item in value.values())
-    return 0
-
-
-def cache_bytes(cache) -> int:
-    """Bytes of every tensor the cache's layers hold (keys, values, quantized states with their scales)."""
-    return sum(tensor_bytes(vars(layer)) for layer in cache.layers)
 
 
 @torch.no_grad()
