@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
@@ -439,6 +440,19 @@ def backbone_init_weights(backbone_config, module: nn.Module) -> None:
     base_model._init_weights(bare, module)
 
 
+def use_backbone_weight_conversions(backbone_model_type: str) -> None:
+    """Make transformers' weight conversions of the backbone family those of mHC models (``model_type="mhc"``).
+
+    transformers keeps MoE experts fused in memory (``mlp.experts.gate_up_proj``) and converts the published layout
+    (one tensor per expert, Mixtral's ``block_sparse_moe.experts.0.w1``) at load and back at save, choosing the
+    conversions by ``model_type``. mHC keeps every backbone tensor name, so the backbone's own conversions apply as
+    they are. They are set for the family of the model being built or saved, right before transformers reads them.
+    """
+    register_checkpoint_conversion_mapping(
+        MHCConfig.model_type, get_checkpoint_conversion_mapping(backbone_model_type) or [], overwrite=True
+    )
+
+
 AUTO_MAP = {
     "AutoConfig": "configuration_mhc.MHCConfig",
     "AutoModel": "modeling_mhc.MHCModel",
@@ -464,6 +478,7 @@ class MHCPreTrainedModel(PreTrainedModel):
 
     def __init__(self, config: MHCConfig, *inputs, **kwargs):
         super().__init__(config, *inputs, **kwargs)
+        use_backbone_weight_conversions(config.backbone_config.model_type)  # from_pretrained loads right after this
         # The backbone's float32 modules stay float32 too (DeepSeek-V3's router), with the HC modules.
         base_model = backbone_classes(config.backbone_config.model_type).base_model
         self._keep_in_fp32_modules = set(base_model._keep_in_fp32_modules or ())
@@ -496,6 +511,7 @@ class MHCPreTrainedModel(PreTrainedModel):
         (``configuration_mhc.py``, ``modeling_mhc.py``, ``mhc_reference.py``) as the unwrapped model, not the
         wrapper's name and torch's source files."""
         self.config.auto_map = dict(AUTO_MAP)
+        use_backbone_weight_conversions(self.config.backbone_config.model_type)  # MoE experts in the published layout
         runtime_class = type(self)
         if not runtime_class.__module__.startswith("torch."):
             return super().save_pretrained(save_directory, *args, **kwargs)

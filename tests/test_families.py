@@ -13,12 +13,15 @@ import torch
 from conftest import DENSE_FAMILIES, MOE_FAMILIES, VOCAB, tiny_backbone_config
 from peft import get_peft_model
 from peft.tuners.lora import LoraLayer
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 
 import hf_mhc
-from hf_mhc import MHCForCausalLM
+from hf_mhc import MHCForCausalLM, modeling_mhc
 from hf_mhc.cli import main
 from hf_mhc.configuration_mhc import BACKBONE_WIRINGS, SUPPORTED_BACKBONES, BackboneWiring
+from hf_mhc.conversion import is_hc_parameter
 from hf_mhc.distributed import split_pipeline
 from hf_mhc.modeling_mhc import HC_MODULE_NAMES, sinkhorn
 from hf_mhc.peft import lora_target_modules, mhc_lora_config
@@ -225,6 +228,46 @@ def test_convert_of_the_saved_source(family, tmp_path, capsys):
     ids = token_ids()
     with torch.no_grad():
         assert_logits_close(converted(ids).logits, source(ids).logits)
+
+
+def saved_tensor_names(folder) -> set[str]:
+    names = set()
+    for path in folder.glob("*.safetensors"):
+        with safe_open(path, "pt") as weights:
+            names |= set(weights.keys())
+    return names
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_experts_save_and_load_in_the_published_layout(family, tmp_path):
+    """In memory the experts are fused (``mlp.experts.gate_up_proj``); on disk an mHC checkpoint holds them as its
+    source does, one tensor per expert under the family's published names, and loads them back."""
+    source = source_model(family)
+    source.save_pretrained(tmp_path / "src")
+    mhc = randomise_hc(hf_mhc.upcycle(source, hc_mult=3)).eval()
+    mhc.save_pretrained(tmp_path / "mhc")
+    saved = saved_tensor_names(tmp_path / "mhc")
+    assert {name for name in saved if not is_hc_parameter(name)} == saved_tensor_names(tmp_path / "src")
+    assert any(".experts.0." in name for name in saved)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mhc").eval()
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, mhc(ids).logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_checkpoints_saved_with_fused_experts_still_load(family, tmp_path, monkeypatch):
+    """mHC checkpoints written before the published layout held the fused in-memory tensors."""
+    mhc = randomise_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).eval()
+    with monkeypatch.context() as patch:  # no conversions at save: the tensors as they are in memory
+        patch.setattr(modeling_mhc, "use_backbone_weight_conversions",
+                      lambda family: register_checkpoint_conversion_mapping("mhc", [], overwrite=True))
+        mhc.save_pretrained(tmp_path)
+    assert any(name.endswith("experts.gate_up_proj") for name in saved_tensor_names(tmp_path))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, mhc(ids).logits, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
