@@ -74,6 +74,9 @@ COPIED_FILE_PATTERNS: tuple[str, ...] = (
     "generation_config.json",
 )
 COPIED_FOLDERS: tuple[str, ...] = ("additional_chat_templates",)
+# Fine-grained FP8 checkpoints (DeepSeek-V3): float8 weights, each with its block scales under this suffix.
+FLOAT8_DTYPES: frozenset[torch.dtype] = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+FP8_SCALE_SUFFIX = "_scale_inv"
 # Source tensors that transformers itself ignores when loading (old checkpoints saved the rotary buffer).
 IGNORED_SOURCE_TENSOR = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 STAGING_MARKER = ".hf-mhc-partial."
@@ -138,7 +141,9 @@ def convert_checkpoint(
             folder inside SRC.
         hc_mult: number of residual streams.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` to cast the floating backbone tensors; ``None`` keeps
-            them as stored. HC tensors are always float32.
+            them as stored. HC tensors are always float32. In a fine-grained FP8 checkpoint (DeepSeek-V3's
+            ``quantization_config``, see :func:`fp8_quantization_config`) the float8 weights and their
+            ``weight_scale_inv`` are never cast: they are copied byte for byte, and a warning says so.
         verify: load source and result and compare their logits and greedy decoding (see :mod:`.verify`);
             raises :class:`VerificationError` and writes nothing when the logits differ by more than the dtype's
             tolerance or, in float32, greedy decoding differs.
@@ -202,7 +207,8 @@ def _convert_locked(
     except (ValueError, TypeError) as error:
         raise ConversionError(str(error)) from None
     checkpoint = SourceCheckpoint.inspect(source.folder, allow_pickle=allow_pickle)
-    plan = plan_tensors(config, checkpoint, target_dtype)
+    quantization = fp8_quantization_config(backbone_config, checkpoint)
+    plan = plan_tensors(config, checkpoint, target_dtype, quantization)
     model_dtype = next(p.spec.dtype for p in plan if p.spec.name == "model.embed_tokens.weight")
     shards = pack_shards(plan, max_shard_bytes)
 
@@ -211,7 +217,7 @@ def _convert_locked(
         staging.mkdir()  # beside OUT (same file system, so the final rename is atomic), with the umask's permissions
         with checkpoint.reader() as reader:
             weight_files = write_weights(staging, shards, reader, progress=progress)
-        write_config_and_code(config, staging, model_dtype)
+        write_config_and_code(config, staging, model_dtype, quantization)
         copied_files = copy_auxiliary_files(source.folder, staging)
         verification = None
         if verify:
@@ -392,12 +398,91 @@ def load_backbone_config(folder: Path) -> PreTrainedConfig:
         raise ConversionError(f"{config_path} cannot be loaded as a {model_type} config ({error}).") from None
 
 
-def plan_tensors(config: MHCConfig, checkpoint: SourceCheckpoint, dtype: torch.dtype | None) -> list[PlannedTensor]:
+def fp8_quantization_config(backbone_config: PreTrainedConfig, checkpoint: SourceCheckpoint) -> dict | None:
+    """The source's fine-grained FP8 ``quantization_config`` (as in DeepSeek-V3's config.json), or ``None``.
+
+    Such a checkpoint stores a Linear weight ``W [out, in]`` as float8_e4m3fn ``Q`` beside float32
+    ``weight_scale_inv S [ceil(out / b0), ceil(in / b1)]`` with ``weight_block_size = [b0, b1]``: ``W ≈ Q · S`` block
+    by block. Raises :class:`ConversionError` for another quantization method, and for float8 tensors without an
+    FP8 ``quantization_config`` (nothing would tell transformers how to read them).
+    """
+    quantization = getattr(backbone_config, "quantization_config", None)
+    if quantization is not None and not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    float8 = [tensor.name for tensor in checkpoint.tensors.values() if tensor.dtype in FLOAT8_DTYPES]
+    if quantization is None:
+        if float8:
+            raise ConversionError(
+                f"{checkpoint.folder} holds float8 tensors ({float8[0]}, ...) but its config.json has no "
+                "quantization_config saying how to read them; add the fine-grained FP8 one it was published with."
+            )
+        return None
+    method, activations = quantization.get("quant_method"), quantization.get("activation_scheme", "dynamic")
+    if method != "fp8" or activations != "dynamic":
+        what = f"{method}" if method != "fp8" else f"fp8 with {activations} activation scales"
+        raise ConversionError(
+            f"{checkpoint.folder} is quantized ({what}); hf-mhc convert copies only fine-grained FP8 checkpoints with "
+            "dynamic activations (DeepSeek-V3's) and unquantized ones: convert the unquantized model."
+        )
+    block = quantization.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConversionError(
+            f"{checkpoint.folder}: quantization_config.weight_block_size is {block!r}; hf-mhc convert needs the "
+            "block-wise FP8 layout, two positive integers such as [128, 128]."
+        )
+    return copy.deepcopy(quantization)
+
+
+def _scale_companions(
+    copied: dict[str, SourceTensor], expected: dict[str, tuple[int, ...]], quantization: dict
+) -> dict[str, SourceTensor]:
+    """The ``*.weight_scale_inv`` tensors of an FP8 checkpoint that belong to a weight the model expects, checked:
+    that weight is float8 and the scales have its block-grid shape; each expected float8 weight has its scales.
+    Scales of names the model does not expect are left to :func:`plan_tensors`' layout check."""
+    block_rows, block_cols = quantization["weight_block_size"]
+    scales = {
+        name: tensor
+        for name, tensor in copied.items()
+        if name.endswith(f".weight{FP8_SCALE_SUFFIX}") and name.removesuffix(FP8_SCALE_SUFFIX) in expected
+    }
+    for name, scale in scales.items():
+        weight = copied.get(name.removesuffix(FP8_SCALE_SUFFIX))
+        if weight is None or weight.dtype not in FLOAT8_DTYPES:
+            raise ConversionError(
+                f"{name} in {scale.file} scales no float8 weight ({name.removesuffix(FP8_SCALE_SUFFIX)} is "
+                f"{'missing' if weight is None else weight.dtype}); the checkpoint is not the FP8 layout transformers "
+                "reads, a float8 weight with its weight_scale_inv beside it."
+            )
+        *leading, rows, cols = weight.shape
+        grid = (*leading, -(-rows // block_rows), -(-cols // block_cols))
+        if scale.shape != grid or not scale.dtype.is_floating_point:
+            raise ConversionError(
+                f"{name} has shape {list(scale.shape)} ({scale.dtype}), but {weight.name} {list(weight.shape)} with "
+                f"weight_block_size {[block_rows, block_cols]} needs floating scales of shape {list(grid)}."
+            )
+    unscaled = [
+        name
+        for name, tensor in copied.items()
+        if name in expected and tensor.dtype in FLOAT8_DTYPES and name + FP8_SCALE_SUFFIX not in copied
+    ]
+    if unscaled:
+        raise ConversionError(
+            f"{unscaled[0]} is float8 but has no {unscaled[0]}{FP8_SCALE_SUFFIX} beside it; the checkpoint is "
+            "incomplete: re-download it."
+        )
+    return scales
+
+
+def plan_tensors(
+    config: MHCConfig, checkpoint: SourceCheckpoint, dtype: torch.dtype | None, quantization: dict | None = None
+) -> list[PlannedTensor]:
     """Every output tensor, backbone ones in source order then the HC ones; checks the source's names and shapes.
 
     The expected layout is that of :class:`MHCForCausalLM` (built on the meta device, no memory): the backbone
     names and shapes must match the source exactly. With tied embeddings there is no ``lm_head.weight`` in the
-    output (transformers re-ties it on load), as ``save_pretrained`` writes it.
+    output (transformers re-ties it on load), as ``save_pretrained`` writes it. With an FP8 ``quantization``
+    (:func:`fp8_quantization_config`) each float8 weight comes with its ``weight_scale_inv``; both are copied as
+    stored whatever ``dtype`` says.
     """
     try:
         with torch.device("meta"):
@@ -417,8 +502,9 @@ def plan_tensors(config: MHCConfig, checkpoint: SourceCheckpoint, dtype: torch.d
         for name, tensor in checkpoint.tensors.items()
         if not IGNORED_SOURCE_TENSOR.search(name) and not (tied and name == "lm_head.weight")
     }
+    scales = _scale_companions(copied, expected, quantization) if quantization is not None else {}
     missing = [name for name in expected if name not in copied]
-    unexpected = [name for name in copied if name not in expected]
+    unexpected = [name for name in copied if name not in expected and name not in scales]
     if unexpected and get_checkpoint_conversion_mapping(family) is not None:
         raise ConversionError(
             f"the weights in {checkpoint.folder} are in the layout published {family} checkpoints use (e.g. "
@@ -433,16 +519,27 @@ def plan_tensors(config: MHCConfig, checkpoint: SourceCheckpoint, dtype: torch.d
             f"unexpected {unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}. "
             "Is it a base model without lm_head, or are config.json and the weights from different models?"
         )
-    mismatched = [name for name, tensor in copied.items() if tensor.shape != expected[name]]
+    mismatched = [name for name, tensor in copied.items() if name not in scales and tensor.shape != expected[name]]
     if mismatched:
         name = mismatched[0]
         raise ConversionError(
             f"{name} has shape {list(copied[name].shape)} in {copied[name].file} but config.json implies "
             f"{list(expected[name])}; the config and the weights do not belong together."
         )
+    kept = {name for name, tensor in copied.items() if tensor.dtype in FLOAT8_DTYPES} | set(scales)
+    if kept and dtype is not None:
+        logger.warning(
+            "--dtype %s casts the %d unquantized tensors only; the %d float8 weights and their weight%s stay as "
+            "stored (transformers dequantizes them on load).",
+            str(dtype).removeprefix("torch."),
+            len(copied) - len(kept),
+            len(kept) - len(scales),
+            FP8_SCALE_SUFFIX,
+        )
     plan = []
     for name, tensor in copied.items():
-        out_dtype = dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
+        cast = dtype is not None and tensor.dtype.is_floating_point and name not in kept
+        out_dtype = dtype if cast else tensor.dtype
         plan.append(PlannedTensor(TensorSpec(name, out_dtype, tensor.shape), source=tensor))
     for name, value in function_preserving_hc_tensors(config).items():
         plan.append(PlannedTensor(TensorSpec(name, torch.float32, tuple(value.shape)), value=value.float()))
@@ -510,9 +607,18 @@ def _output_chunks(planned: PlannedTensor, reader: TensorReader) -> Iterator[tor
         yield chunk.to(planned.spec.dtype)
 
 
-def write_config_and_code(config: MHCConfig, folder: Path, model_dtype: torch.dtype) -> None:
-    """``config.json`` and the flat remote-code files, exactly as ``MHCForCausalLM.save_pretrained`` writes them."""
+def write_config_and_code(
+    config: MHCConfig, folder: Path, model_dtype: torch.dtype, quantization: dict | None = None
+) -> None:
+    """``config.json`` and the flat remote-code files, exactly as ``MHCForCausalLM.save_pretrained`` writes them.
+
+    A source ``quantization`` (FP8) moves to the top level of the mHC config, where ``from_pretrained`` reads it.
+    """
     config = copy.deepcopy(config)
+    if quantization is not None:
+        config.quantization_config = quantization
+        if hasattr(config.backbone_config, "quantization_config"):
+            del config.backbone_config.quantization_config
     config.backbone_config.dtype = model_dtype
     config.dtype = str(model_dtype).removeprefix("torch.")
     config.architectures = [MHCForCausalLM.__name__]
