@@ -131,12 +131,15 @@ def _run_prompts(
     for row, ids in enumerate(prompts):
         batch[row, longest - len(ids) :] = ids
         mask[row, longest - len(ids) :] = 1
-    greedy = GenerationConfig(
+    # The same settings for both models, replacing each one's own: ``generate`` would otherwise merge in the defaults
+    # the model derived from its config.json (a source without generation_config.json takes its eos_token_id, and
+    # min_new_tokens then masks that token for the source but not for the mHC model, whose config has none).
+    model.generation_config = GenerationConfig(
         do_sample=False, max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS, pad_token_id=0
     )
     with torch.no_grad():
         logits = [model(ids[None].to(device)).logits[0].float().cpu() for ids in prompts]
-        output = model.generate(batch.to(device), attention_mask=mask.to(device), generation_config=greedy)
+        output = model.generate(batch.to(device), attention_mask=mask.to(device))
     del model
     gc.collect()
     return logits, output[:, longest:].cpu()

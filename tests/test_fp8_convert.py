@@ -222,3 +222,16 @@ def test_fp8_routed_experts_in_the_published_layout_are_refused_naming_an_expert
     lines = [line for line in err.splitlines() if line.startswith("hf-mhc convert: error: ")]
     assert status == 1 and len(lines) == 1, err
     assert "one tensor per MoE expert" in lines[0] and "mlp.experts.0." in lines[0] and "_scale_inv:" not in lines[0]
+
+
+def test_verification_decodes_both_models_with_the_same_settings(fp8_source, tmp_path):
+    """A source without generation_config.json (as the config-only copies of DeepSeek-V3 often are) derives its
+    eos_token_id from config.json; ``min_new_tokens`` then masked that token for the source but not for the mHC
+    model, and greedy decoding "differed" where the logits agreed to 1e-6 of their scale."""
+    src, _, _ = fp8_source
+    bare = tmp_path / "src"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((src / name).read_bytes())
+    report = convert_checkpoint(bare, tmp_path / "out", progress=False)
+    assert report.verification.passed and report.verification.greedy_agrees, report.verification.summary()
