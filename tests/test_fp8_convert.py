@@ -61,14 +61,15 @@ def raw_entries(folder: Path) -> dict[str, tuple[str, list[int], bytes]]:
     return entries
 
 
-@pytest.fixture(scope="module")
-def fp8_source(tmp_path_factory) -> tuple[Path, torch.nn.Module, torch.nn.Module]:
-    """An FP8 DeepSeek-V3 checkpoint folder, the unquantized model it was made from, and the dequantized model
-    (``Q · S`` in place of each quantized weight: what the checkpoint stands for)."""
+def build_fp8_checkpoint(folder: Path, family: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Write an FP8 checkpoint of a tiny random ``family`` model (norms perturbed) to ``folder``: every Linear weight
+    but the lm_head block-quantized, config.json with the FP8 quantization_config, generation_config.json. Returns
+    the unquantized model and the dequantized one (``Q · S`` in place of each quantized weight: what the checkpoint
+    stands for)."""
     torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("fp8") / "src"
     folder.mkdir()
-    config = tiny_backbone_config("deepseek_v3", initializer_range=0.2, first_k_dense_replace=2)
+    overrides = {"first_k_dense_replace": 2} if family == "deepseek_v3" else {}
+    config = tiny_backbone_config(family, initializer_range=0.2, **overrides)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, tensor in model.named_parameters():
@@ -88,7 +89,14 @@ def fp8_source(tmp_path_factory) -> tuple[Path, torch.nn.Module, torch.nn.Module
     config.quantization_config = dict(QUANTIZATION)
     config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
-    return folder, model, dequantized
+    return model, dequantized
+
+
+@pytest.fixture(scope="module")
+def fp8_source(tmp_path_factory) -> tuple[Path, torch.nn.Module, torch.nn.Module]:
+    """An FP8 DeepSeek-V3 checkpoint folder (MLA, dense layers), its unquantized and its dequantized model."""
+    folder = tmp_path_factory.mktemp("fp8") / "src"
+    return folder, *build_fp8_checkpoint(folder, "deepseek_v3")
 
 
 def token_ids() -> torch.Tensor:
@@ -101,12 +109,14 @@ def logits_of(folder: Path, ids: torch.Tensor, dtype: torch.dtype = torch.float3
         return model(ids).logits.float()
 
 
-def test_fp8_conversion_keeps_the_quantized_bytes_and_the_source_logits(fp8_source, tmp_path):
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3"])  # DeepSeek-V3 and Qwen3-*-FP8 are published so
+def test_fp8_conversion_keeps_the_quantized_bytes_and_the_source_logits(family, tmp_path):
     """The synthetic checkpoint is what transformers reads as FP8 (its CPU load equals the dequantized model and
     lies within e4m3 rounding of the unquantized one); the conversion copies every float8 weight and scale byte for
     byte, moves the quantization_config to the top of the mHC config (where from_pretrained reads it), adds the HC
     tensors in float32, verifies, and loads (dequantized on CPU) with the source's logits."""
-    src, unquantized, dequantized = fp8_source
+    src = tmp_path / "src"
+    unquantized, dequantized = build_fp8_checkpoint(src, family)
     ids = token_ids()
     source_logits = logits_of(src, ids)
     with torch.no_grad():
@@ -122,7 +132,8 @@ def test_fp8_conversion_keeps_the_quantized_bytes_and_the_source_logits(fp8_sour
 
     source_entries, out_entries = raw_entries(src), raw_entries(out)
     fp8_names = [name for name, (dtype, _, _) in source_entries.items() if dtype == "F8_E4M3"]
-    assert len(fp8_names) == 16  # 2 layers x (5 MLA + 3 MLP projections)
+    linears = [name for name, module in unquantized.named_modules() if type(module) is torch.nn.Linear]
+    assert len(fp8_names) == len(linears) - 1 == {"deepseek_v3": 16, "qwen3": 14}[family]  # all but the lm_head
     for name in fp8_names:
         assert out_entries[name] == source_entries[name], name
         assert out_entries[name + "_scale_inv"] == source_entries[name + "_scale_inv"], name
