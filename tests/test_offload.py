@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 import hf_mhc
 from hf_mhc import MHCConfig, MHCForCausalLM
 from hf_mhc.modeling_mhc import HC_MODULE_NAMES
+from hf_mhc.offload import expert_modules, offload_device_map
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 LAYERS = 5  # 4 MoE layers after the dense layer 0 of qwen3_moe and deepseek_v3, 5 in the other families
@@ -46,37 +47,6 @@ def saved_mhc_model(family: str, folder: Path, *, fused: bool = False) -> Path:
         tensors = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
         save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
-
-
-def expert_modules(model: torch.nn.Module) -> list[str]:
-    """Names of the routed-experts modules, one per MoE layer (``model.layers.{i}.mlp.experts``; DeepSeek-V3's
-    always-active ``shared_experts`` are not among them)."""
-    return [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"]
-
-
-def offload_device_map(model: torch.nn.Module, offloaded: set[str], device: str | int = "cpu",
-                       offload_to: str = "disk") -> dict[str, str | int]:
-    """A device map with the modules ``offloaded`` on ``offload_to`` and everything else on ``device``.
-
-    Accelerate places the whole subtree of each entry, so an ancestor of an offloaded module cannot be an entry
-    itself (``{"": "cpu", "...experts": "disk"}`` fails in ``dispatch_model`` with ``gate_up_proj is on the meta
-    device``): the map names the siblings along the path to each offloaded module instead."""
-    device_map: dict[str, str | int] = {}
-
-    def visit(prefix: str, module: torch.nn.Module) -> None:
-        for name, _ in module.named_parameters(recurse=False):
-            device_map[prefix + name] = device
-        for name, child in module.named_children():
-            path = prefix + name
-            if path in offloaded:
-                device_map[path] = offload_to
-            elif any(target.startswith(path + ".") for target in offloaded):
-                visit(path + ".", child)
-            else:
-                device_map[path] = device
-
-    visit("", model)
-    return device_map
 
 
 def parameters_under(model: torch.nn.Module, modules: list[str]) -> dict[str, torch.nn.Parameter]:
