@@ -107,6 +107,7 @@ class ConversionReport:
     copied_files: tuple[str, ...]
     total_size: int
     verification: VerificationResult | None
+    quantization: dict | None = None  # the source's FP8 quantization_config, carried over
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,7 @@ def _convert_locked(
             copied_files=tuple(copied_files),
             total_size=sum(p.spec.nbytes for p in plan),
             verification=verification,
+            quantization=quantization,
         )
         (staging / "README.md").write_text(model_card(report, config, source.hub_id), encoding="utf-8")
         _move_into_place(staging, out, existing)
@@ -671,6 +673,13 @@ def model_card(report: ConversionReport, config: MHCConfig, hub_id: str | None) 
     else:
         verified = f"passed: {report.verification.summary()}."
     architecture = (backbone.architectures or [f"{backbone.model_type} causal LM"])[0]
+    weights = report.dtype
+    if report.quantization is not None:
+        weights = (
+            f"Linear weights in fine-grained FP8, float8 with block scales `weight_scale_inv`, weight_block_size "
+            f"{report.quantization['weight_block_size']}, byte for byte as in the source; the others {report.dtype}. "
+            "transformers dequantizes them on load without a GPU of compute capability 8.9 or more"
+        )
     return "\n".join(
         [
             *header,
@@ -689,7 +698,7 @@ def model_card(report: ConversionReport, config: MHCConfig, hub_id: str | None) 
             f"comb bias = {config.hc_init_comb_diag:g}·I; the head averages the streams; the token-dependent part "
             f"is off (fn = 0, scale = {config.hc_init_dynamic_scale:g}). Until it is trained the model computes the "
             "source's function.",
-            f"- **Weights:** backbone tensors copied under their original names ({report.dtype}); HC tensors float32.",
+            f"- **Weights:** backbone tensors copied under their original names ({weights}); HC tensors float32.",
             f"- **Verification:** {verified}",
             "",
             "## Usage",

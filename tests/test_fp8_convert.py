@@ -145,6 +145,8 @@ def test_fp8_conversion_keeps_the_quantized_bytes_and_the_source_logits(family, 
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"] == QUANTIZATION
     assert "quantization_config" not in config["backbone_config"]
+    assert report.quantization == QUANTIZATION
+    assert "fine-grained FP8, float8 with block scales `weight_scale_inv`" in (out / "README.md").read_text()
 
     got = logits_of(out, ids)
     assert (got - source_logits).abs().max().item() <= 1e-4 * max(1.0, source_logits.abs().max().item())
