@@ -248,3 +248,19 @@ def test_verification_decodes_both_models_with_the_same_settings(fp8_source, tmp
         (bare / name).write_bytes((src / name).read_bytes())
     report = convert_checkpoint(bare, tmp_path / "out", progress=False)
     assert report.verification.passed and report.verification.greedy_agrees, report.verification.summary()
+
+
+def test_a_sharded_fp8_conversion_loads_with_weight_and_scales_in_different_shards(fp8_source, tmp_path):
+    """DeepSeek-V3 is 163 shards: transformers pairs each float8 weight with its scales across shard files, so small
+    output shards that separate a pair still load and verify."""
+    src, _, _ = fp8_source
+    report = convert_checkpoint(src, tmp_path / "out", max_shard_size="6KB", progress=False)
+    assert report.verification.passed, report.verification.summary()
+    weight_map = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(
+        weight_map[name] != weight_map[name.removesuffix("_scale_inv")]
+        for name in weight_map
+        if name.endswith("_scale_inv")
+    )
+    source_entries, out_entries = raw_entries(src), raw_entries(tmp_path / "out")
+    assert {name: entry for name, entry in out_entries.items() if not is_hc_parameter(name)} == source_entries
