@@ -1,4 +1,5 @@
-"""The ``hf-mhc`` command line: ``convert`` (a residual checkpoint into an mHC one), ``inspect`` (stability report).
+"""The ``hf-mhc`` command line: ``convert`` (a residual checkpoint into an mHC one), ``inspect`` (stability report),
+``plan`` (memory from a config).
 
 Each subcommand is a :class:`Subcommand` in :data:`SUBCOMMANDS`: its help line and a ``setup`` function that adds
 its arguments and a ``run`` handler returning the exit status. Only the chosen subcommand is set up, so ``convert``
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -158,10 +160,50 @@ def _setup_inspect(parser: argparse.ArgumentParser) -> None:
     add_inspect_arguments(parser).set_defaults(run=run_inspect)
 
 
+def _setup_plan(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Plan the memory of a model from its config alone (a folder or Hugging Face Hub model id; no weights are "
+        "read): KV cache, parameters per device, mHC stream traffic, pipeline-boundary bytes."
+    )
+    parser.add_argument("config", metavar="CONFIG", help="folder holding config.json, or Hugging Face Hub model id")
+    parser.add_argument("--tokens", type=int, default=8192, metavar="N", help="tokens per sequence (default 8192)")
+    parser.add_argument("--batch", type=int, default=1, metavar="B", help="sequences (default 1)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                        help="backbone weights, KV cache and streams (default bfloat16; HC weights stay float32)")
+    parser.add_argument("--hc-mult", type=int, metavar="N",
+                        help="plan the mHC model with N streams (default: the config's own; a residual config as is)")
+    parser.add_argument("--tp", type=int, default=1, metavar="K", help="tensor-parallel degree (default 1)")
+    parser.add_argument("--pp", type=int, default=1, metavar="K", help="pipeline stages (default 1)")
+    parser.add_argument("--fsdp", type=int, default=1, metavar="K", help="FSDP shards per stage (default 1)")
+    parser.add_argument("--microbatches", type=int, default=1, metavar="M", help="pipeline microbatches (default 1)")
+    parser.add_argument("--json", metavar="PATH", help="also write the numbers to PATH as JSON")
+    parser.set_defaults(run=_run_plan)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "convert": Subcommand("convert a residual causal-LM checkpoint into an mHC checkpoint", _setup_convert),
     "inspect": Subcommand("stability diagnostics of an mHC checkpoint", _setup_inspect),
+    "plan": Subcommand("plan KV cache, parameter and mHC stream memory from a config", _setup_plan),
 }
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from .planning import format_plan, plan_memory
+
+    error = folder_error(args.config) or (output_path_error(args.json, folder=False) if args.json else None)
+    local = looks_like_local_path(args.config)
+    if error is None and local and not (Path(args.config).expanduser() / "config.json").is_file():
+        error = f"no config.json in {args.config}"
+    if error:
+        return _fail("plan", error)
+    plan = plan_memory(args.config, tokens=args.tokens, batch=args.batch, dtype=args.dtype, hc_mult=args.hc_mult,
+                       tp=args.tp, pp=args.pp, fsdp=args.fsdp, microbatches=args.microbatches)
+    print(format_plan(plan))
+    if args.json:
+        path = Path(args.json).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+    return 0
 
 
 def _run_convert(args: argparse.Namespace) -> int:

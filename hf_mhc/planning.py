@@ -1,0 +1,303 @@
+"""Memory planning from a config alone: KV cache, parameters per device, mHC stream traffic, pipeline boundaries.
+
+:func:`plan_memory` reads a config (a residual backbone config, an :class:`MHCConfig`, or a folder / Hub id whose
+``config.json`` is read; never weights) and returns a :class:`MemoryPlan` for a workload of ``batch`` sequences of
+``tokens`` tokens in ``dtype``:
+
+* **KV cache**, as transformers' ``DynamicCache`` stores it. Per token and layer, a standard attention layer holds a
+  key and a value of ``num_key_value_heads × head_dim`` each (MHA, GQA and MQA alike); DeepSeek-V3's latent attention
+  (MLA) holds the normalised latent ``[B, 1, T, kv_lora_rank]`` as its "key" and the rotary key
+  ``[B, 1, T, qk_rope_head_dim]`` as its "value", i.e. ``kv_lora_rank + qk_rope_head_dim`` values. A sliding-window
+  (or chunked) layer keeps the last ``sliding_window - 1`` tokens, plus an 8-byte int64 holding the window. The layer
+  types are transformers' own (``layer_types``, else ``sliding_window``). mHC leaves the cache unchanged: attention
+  reads the collapsed ``[B, T, C]`` sublayer input, not the ``n`` streams.
+* **Parameters**: the model built on the ``meta`` device (no memory, no weights), the backbone in ``dtype`` and the HC
+  maps in float32, then split per device: tensor parallelism (``tp``) shards the weights the backbone's TP plan names
+  colwise / rowwise (a rowwise bias, the embeddings, norms, router, head and all HC maps are replicated); pipeline
+  parallelism (``pp``) gives each stage an even share of the layers (the first ``L mod pp`` stages one more), the
+  embeddings to the first stage and the final norm, mHC head and LM head to the last (tied embeddings on both); FSDP
+  (``fsdp``) shards what each stage holds evenly.
+* **mHC traffic**, in HBM bytes per token per layer (two sites: attention and feed-forward), from the element counts
+  of the mHC paper's Table 2 with streams in ``dtype``: unfused (transformers' DeepSeek-V4 path) a site reads
+  ``(5n+1)·C`` and writes ``(3n+1)·C``; with hf-mhc's fused kernels it reads ``n·C`` and writes ``C`` for the
+  coefficients + ``pre`` collapse, and reads ``(n+1)·C`` and writes ``n·C`` for ``post`` + ``comb`` + residual. The
+  small ``n² + 2n`` coefficient terms are left out. Compared with the layer's weight bytes read per token: all of them
+  at decode (``batch`` tokens share one read), ``1 / (batch · tokens)`` of them at prefill.
+* **Pipeline boundary**: the ``n·C`` streams (``C`` for a residual model) of every token of a microbatch, in
+  ``dtype``, cross each stage boundary forward (and their gradient backward).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from .configuration_mhc import MHCConfig, check_backbone_type
+from .modeling_mhc import HC_MODULE_NAMES
+
+DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+WINDOW_TENSOR_BYTES = 8  # the int64 scalar a DynamicSlidingWindowLayer holds (its `_sliding_window_tensor`)
+SHARDED_TP_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise", "local_colwise", "local_rowwise")
+
+
+@dataclass
+class MemoryPlan:
+    """The numbers :func:`plan_memory` returns; every size is in bytes."""
+
+    model_type: str
+    hc_mult: int | None  # None: the residual model itself
+    hidden_size: int
+    num_layers: int
+    dtype: str
+    tokens: int
+    batch: int
+    attention: str  # "MHA", "GQA", "MQA" or "MLA"
+    layer_types: list[str]
+    kv_cache_bytes_per_token: int  # per sequence, every layer, before any sliding-window bound
+    kv_cache_bytes: int  # the workload: batch × tokens, windows applied, plus the window scalars
+    kv_cache_layer_bytes_per_token: int  # one layer, one token, one sequence
+    kv_cache_note: str
+    parameter_bytes: int  # backbone + HC
+    backbone_parameter_bytes: int
+    hc_parameter_bytes: int
+    tp: int
+    pp: int
+    fsdp: int
+    parameter_bytes_per_stage: list[int]  # per device of each pipeline stage, after TP and FSDP
+    parameter_bytes_per_device: int  # the largest of them
+    layer_weight_bytes: int  # the weights of one decoder layer, averaged over the layers (what a token reads)
+    mhc_traffic_unfused_bytes_per_token_layer: int
+    mhc_traffic_fused_bytes_per_token_layer: int
+    mhc_traffic_over_weights_decode: dict[str, float] = field(default_factory=dict)
+    mhc_traffic_over_weights_prefill: dict[str, float] = field(default_factory=dict)
+    microbatches: int = 1
+    pipeline_boundary_bytes_per_microbatch: int = 0
+
+    def to_dict(self) -> dict:
+        """The plan as a JSON-ready dict."""
+        return asdict(self)
+
+
+def load_config(config: PreTrainedConfig | str | os.PathLike) -> PreTrainedConfig:
+    """``config`` itself, or the config of a folder / Hub id (``config.json`` only, never weights)."""
+    if isinstance(config, PreTrainedConfig):
+        return config
+    return AutoConfig.from_pretrained(os.fspath(config))
+
+
+def kv_cache_layer_bytes_per_token(backbone: PreTrainedConfig, dtype: torch.dtype) -> tuple[int, str]:
+    """Bytes one attention layer caches per token and sequence, and the attention kind (MHA / GQA / MQA / MLA)."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    if getattr(backbone, "kv_lora_rank", None):
+        return (backbone.kv_lora_rank + backbone.qk_rope_head_dim) * element, "MLA"
+    heads = backbone.num_attention_heads
+    kv_heads = getattr(backbone, "num_key_value_heads", None) or heads
+    head_dim = getattr(backbone, "head_dim", None) or backbone.hidden_size // heads
+    kind = "MHA" if kv_heads == heads else "MQA" if kv_heads == 1 else "GQA"
+    return 2 * kv_heads * head_dim * element, kind
+
+
+def _cached_tokens(layer_type: str, kwargs: dict, tokens: int) -> tuple[int, int]:
+    """``(tokens a DynamicCache layer keeps, its fixed bytes)`` after ``tokens`` tokens."""
+    if layer_type == "full_attention":
+        return tokens, 0
+    if layer_type in SLIDING_LAYER_TYPES:
+        return min(tokens, kwargs["sliding_window"] - 1), WINDOW_TENSOR_BYTES
+    if layer_type == "dummy":  # a layer without attention, or one reusing another layer's cache
+        return 0, 0
+    raise ValueError(f"cannot plan a KV cache for layer type {layer_type!r}")
+
+
+def _meta_model(backbone: PreTrainedConfig, hc_mult: int | None) -> torch.nn.Module:
+    if hc_mult is None:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(backbone)
+    from .conversion.upcycle import mhc_config_for
+    from .modeling_mhc import MHCForCausalLM
+
+    with torch.device("meta"):
+        return MHCForCausalLM(mhc_config_for(backbone, hc_mult=hc_mult))
+
+
+def _is_hc(name: str) -> bool:
+    return any(part in HC_MODULE_NAMES for part in name.split(".")[:-1])
+
+
+def _tp_sharded(name: str, plan: dict[str, str]) -> bool:
+    """Whether TP shards parameter ``name`` (``model.layers.0.self_attn.q_proj.weight``) under the base-model plan."""
+    inner = name.removeprefix("model.")
+    module, _, leaf = inner.rpartition(".")
+    for pattern, style in plan.items():
+        if style not in SHARDED_TP_STYLES:
+            continue
+        if fnmatch.fnmatchcase(inner, pattern):  # a parameter named in the plan (fused experts)
+            return True
+        if fnmatch.fnmatchcase(module, pattern):
+            return not (leaf == "bias" and "rowwise" in style)  # a rowwise bias is added after the reduction
+    return False
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    if "layers" in parts[:-1]:
+        index = parts[parts.index("layers") + 1]
+        if index.isdigit():
+            return int(index)
+    return None
+
+
+def plan_memory(
+    config: PreTrainedConfig | str | os.PathLike,
+    *,
+    tokens: int = 8192,
+    batch: int = 1,
+    dtype: str = "bfloat16",
+    hc_mult: int | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    fsdp: int = 1,
+    microbatches: int = 1,
+) -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``config``'s model for ``batch`` sequences of ``tokens`` tokens in ``dtype``.
+
+    ``hc_mult``: the streams of the mHC model planned; ``None`` keeps the config's own (an :class:`MHCConfig`'s
+    ``hc_mult``, or the residual model itself for a backbone config). Raises ``ValueError`` on bad input.
+    """
+    for name, value in (("tokens", tokens), ("batch", batch), ("tp", tp), ("pp", pp), ("fsdp", fsdp),
+                        ("microbatches", microbatches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if batch % microbatches:
+        raise ValueError(f"batch {batch} does not split into {microbatches} equal microbatches")
+    config = load_config(config)
+    if isinstance(config, MHCConfig):
+        backbone = config.backbone_config
+        hc_mult = config.hc_mult if hc_mult is None else hc_mult
+    else:
+        backbone = config
+    check_backbone_type(backbone.model_type, backbone)
+    if hc_mult is not None:
+        MHCConfig(backbone_config=backbone.to_dict(), hc_mult=hc_mult)  # validates hc_mult
+    layers = backbone.num_hidden_layers
+    if pp > layers:
+        raise ValueError(f"pp {pp} exceeds the {layers} layers")
+    torch_dtype = DTYPES[dtype]
+    element = torch.tensor([], dtype=torch_dtype).element_size()
+
+    # KV cache
+    per_layer, attention = kv_cache_layer_bytes_per_token(backbone, torch_dtype)
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(backbone)
+    cached = [_cached_tokens(kind, kwargs, tokens) for kind, kwargs in zip(layer_types, layer_kwargs, strict=True)]
+    kv_layers = sum(kind != "dummy" for kind in layer_types)
+    kv_bytes = sum(batch * kept * per_layer + fixed for kept, fixed in cached)
+    note = (
+        ("MLA: each layer caches the latent [B, 1, T, kv_lora_rank] and the rotary key [B, 1, T, qk_rope_head_dim]"
+         if attention == "MLA" else f"{attention}: each layer caches a key and a value per KV head")
+        + ("; sliding-window layers keep the last window - 1 tokens" if any(
+            kind in SLIDING_LAYER_TYPES for kind in layer_types) else "")
+        + ("; mHC leaves the KV cache unchanged (attention reads the collapsed stream)" if hc_mult else "")
+    )
+
+    # Parameters
+    model = _meta_model(backbone, hc_mult)
+    tp_plan = getattr(backbone, "base_model_tp_plan", None) or {}
+    stage_of_layer = []
+    for stage in range(pp):
+        stage_of_layer += [stage] * (layers // pp + (stage < layers % pp))
+    stage_bytes = [0] * pp
+    backbone_bytes = hc_bytes = 0
+    shared = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n.endswith("lm_head.weight")}
+    for name, parameter in model.named_parameters():
+        size = parameter.numel() * (4 if _is_hc(name) else element)
+        if _is_hc(name):
+            hc_bytes += size
+        else:
+            backbone_bytes += size
+        shard = math.ceil(size / tp) if tp > 1 and _tp_sharded(name, tp_plan) else size
+        index = _layer_index(name)
+        if index is not None:
+            stages = {stage_of_layer[index]}
+        elif "embed" in name:
+            stages = {0} | ({pp - 1} if id(parameter) in shared else set())
+        else:
+            stages = {pp - 1}
+        for stage in stages:
+            stage_bytes[stage] += shard
+    per_stage = [math.ceil(size / fsdp) for size in stage_bytes]
+    layer_weights = sum(
+        p.numel() * (4 if _is_hc(n) else element) for n, p in model.named_parameters() if _layer_index(n) is not None
+    ) // layers
+
+    # mHC traffic per token per layer (two sites) and the pipeline boundary
+    n, hidden = (hc_mult or 1), backbone.hidden_size
+    unfused = 2 * ((5 * n + 1) + (3 * n + 1)) * hidden * element if hc_mult else 0
+    fused = 2 * ((n + 1) + (n + 1) + n) * hidden * element if hc_mult else 0  # reads n + (n+1), writes 1 + n
+    decode_weights = layer_weights / batch
+    prefill_weights = layer_weights / (batch * tokens)
+    boundary = (batch // microbatches) * tokens * n * hidden * element
+
+    return MemoryPlan(
+        model_type=backbone.model_type, hc_mult=hc_mult, hidden_size=hidden, num_layers=layers, dtype=dtype,
+        tokens=tokens, batch=batch, attention=attention, layer_types=list(layer_types),
+        kv_cache_bytes_per_token=kv_layers * per_layer, kv_cache_bytes=kv_bytes,
+        kv_cache_layer_bytes_per_token=per_layer, kv_cache_note=note,
+        parameter_bytes=backbone_bytes + hc_bytes, backbone_parameter_bytes=backbone_bytes,
+        hc_parameter_bytes=hc_bytes, tp=tp, pp=pp, fsdp=fsdp, parameter_bytes_per_stage=per_stage,
+        parameter_bytes_per_device=max(per_stage), layer_weight_bytes=layer_weights,
+        mhc_traffic_unfused_bytes_per_token_layer=unfused, mhc_traffic_fused_bytes_per_token_layer=fused,
+        mhc_traffic_over_weights_decode={"unfused": unfused / decode_weights, "fused": fused / decode_weights},
+        mhc_traffic_over_weights_prefill={"unfused": unfused / prefill_weights, "fused": fused / prefill_weights},
+        microbatches=microbatches, pipeline_boundary_bytes_per_microbatch=boundary,
+    )
+
+
+def format_bytes(size: float) -> str:
+    """``size`` in binary units: ``4.00 GiB``, ``68.6 KiB``, ``512 B``."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size:.0f} B"
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """A readable table of ``plan``."""
+    model = f"{plan.model_type}" + (f" as mHC, hc_mult {plan.hc_mult}" if plan.hc_mult else " (residual)")
+    rows = [
+        ("model", f"{model}, {plan.num_layers} layers, C = {plan.hidden_size}, {plan.attention}, {plan.dtype}"),
+        ("workload", f"batch {plan.batch} x {plan.tokens:,} tokens"),
+        ("KV cache per token", f"{plan.kv_cache_bytes_per_token:,} B ({format_bytes(plan.kv_cache_bytes_per_token)})"
+         f" = {plan.kv_cache_layer_bytes_per_token:,} B per layer"),
+        ("KV cache, workload", f"{plan.kv_cache_bytes:,} B ({format_bytes(plan.kv_cache_bytes)})"),
+        ("", plan.kv_cache_note),
+        ("parameters", f"{format_bytes(plan.parameter_bytes)} = backbone {format_bytes(plan.backbone_parameter_bytes)}"
+         f" + HC {format_bytes(plan.hc_parameter_bytes)} (float32)"),
+        (f"per device (tp {plan.tp}, pp {plan.pp}, fsdp {plan.fsdp})",
+         f"{format_bytes(plan.parameter_bytes_per_device)} max; per stage: "
+         + ", ".join(format_bytes(size) for size in plan.parameter_bytes_per_stage)),
+    ]
+    if plan.hc_mult:
+        decode, prefill = plan.mhc_traffic_over_weights_decode, plan.mhc_traffic_over_weights_prefill
+        rows += [
+            ("mHC traffic per token-layer", f"unfused {format_bytes(plan.mhc_traffic_unfused_bytes_per_token_layer)},"
+             f" fused {format_bytes(plan.mhc_traffic_fused_bytes_per_token_layer)}"),
+            ("  / layer weight reads", f"decode: unfused {100 * decode['unfused']:.3g} %, fused "
+             f"{100 * decode['fused']:.3g} %;"
+             f" prefill: unfused {prefill['unfused']:.3g}x, fused {prefill['fused']:.3g}x"),
+        ]
+    rows.append(("pipeline boundary", f"{format_bytes(plan.pipeline_boundary_bytes_per_microbatch)} per microbatch "
+                 f"({plan.microbatches} microbatches) at each stage boundary"))
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+__all__ = ["DTYPES", "MemoryPlan", "format_bytes", "format_plan", "kv_cache_layer_bytes_per_token", "load_config",
+           "plan_memory"]

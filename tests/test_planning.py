@@ -1,0 +1,137 @@
+"""``hf_mhc.planning`` and ``hf-mhc plan``: the seeds' KV-cache figures, the real ``DynamicCache`` of every family
+(residual and mHC), parameter bytes of the real models and their split per device, mHC traffic and pipeline-boundary
+bytes by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import FAMILY_SETTINGS, tiny_backbone_config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+import hf_mhc
+from hf_mhc import MHCConfig, MHCForCausalLM
+from hf_mhc.cli import main
+from hf_mhc.kernels.profiling import cache_bytes
+from hf_mhc.planning import plan_memory
+
+TOKENS = 11  # more than every tiny sliding window (Mistral 6, Gemma 3 4, Qwen2's below 5)
+GiB = 2**30
+
+# Every supported family, and Qwen2 with its sliding window switched on above layer 0.
+CASES = {family: tiny_backbone_config(family) for family in FAMILY_SETTINGS}
+CASES["qwen2_sliding"] = tiny_backbone_config("qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1)
+
+
+def test_seed_figures():
+    mha = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=11008)
+    assert plan_memory(mha, tokens=8192, dtype="float16").kv_cache_bytes == 4 * GiB
+    plan = plan_memory(mha, tokens=131072, dtype="float16", hc_mult=4)
+    assert plan.kv_cache_bytes == 64 * GiB and plan.attention == "MHA"
+    assert "mHC leaves the KV cache unchanged" in plan.kv_cache_note
+    gqa = plan_memory(LlamaConfig(num_hidden_layers=32, num_key_value_heads=8), tokens=8192, dtype="float16")
+    assert gqa.attention == "GQA" and gqa.kv_cache_bytes == GiB
+    deepseek = plan_memory(AutoConfig.for_model("deepseek_v3"), tokens=1000, dtype="bfloat16", hc_mult=4)
+    assert deepseek.attention == "MLA" and deepseek.num_layers == 61
+    assert deepseek.kv_cache_bytes_per_token == 61 * (512 + 64) * 2 == 70_272
+    assert deepseek.kv_cache_bytes == 70_272 * 1000
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kv_cache_and_parameters_equal_the_real_models(case, one_thread):
+    backbone = CASES[case]
+    residual = AutoModelForCausalLM.from_config(backbone).eval()
+    mhc_config = MHCConfig(backbone_config=backbone.to_dict(), hc_mult=2)
+    mhc = MHCForCausalLM(mhc_config).eval()
+    input_ids = torch.randint(3, 100, (2, TOKENS))
+    for model, config in ((residual, backbone), (mhc, mhc_config)):
+        with torch.no_grad():
+            cache = model(input_ids, use_cache=True).past_key_values
+        plan = plan_memory(config, tokens=TOKENS, batch=2, dtype="float32")
+        assert plan.kv_cache_bytes == cache_bytes(cache), (case, type(model).__name__)
+        assert plan.parameter_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+        assert plan.hc_parameter_bytes == (0 if model is residual else sum(
+            p.numel() * 4 for name, p in model.named_parameters() if "_hc" in name or "hc_head" in name))
+    if case == "deepseek_v3":  # the latent as the "key", the rotary key as the "value"
+        layer = cache.layers[0]
+        assert layer.keys.shape == (2, 1, TOKENS, backbone.kv_lora_rank)
+        assert layer.values.shape == (2, 1, TOKENS, backbone.qk_rope_head_dim)
+
+
+def test_parameter_bytes_in_bfloat16_and_per_device():
+    source = AutoModelForCausalLM.from_config(tiny_backbone_config("llama")).to(torch.bfloat16)
+    upcycled = hf_mhc.upcycle(source, hc_mult=2)  # backbone in bfloat16, HC in float32
+    plan = plan_memory(source.config, tokens=TOKENS, dtype="bfloat16", hc_mult=2)
+    assert plan.parameter_bytes == sum(p.numel() * p.element_size() for p in upcycled.parameters())
+    # By hand, float32, n = 2, C = 32, 2 layers: q, k, v, o (32x32, 16x32, 16x32, 32x32) and gate, up, down (48x32)
+    # are what the TP plan shards; norms, HC maps, embeddings, final norm, mHC head and LM head are replicated.
+    projections = 32 * 32 + 16 * 32 + 16 * 32 + 32 * 32 + 3 * 48 * 32
+    site = (2 + 2) * 2 * (2 * 32) + (2 + 2) * 2 + 3  # fn [(n+2)n, nC], base [(n+2)n], scale [3]
+    layer = projections + 2 * 32 + 2 * site
+    embed, head = 101 * 32, 2 * (2 * 32) + 2 + 1
+    plan = plan_memory(source.config, dtype="float32", hc_mult=2, tp=2, pp=2, fsdp=3)
+    first = embed + projections // 2 + 2 * 32 + 2 * site
+    last = projections // 2 + 2 * 32 + 2 * site + 32 + head + embed
+    assert plan.parameter_bytes == 4 * (2 * layer + embed + 32 + head + embed)
+    assert plan.parameter_bytes_per_stage == [-(-4 * first // 3), -(-4 * last // 3)]
+    assert plan.parameter_bytes_per_device == -(-4 * last // 3)
+    assert plan.layer_weight_bytes == 4 * layer
+    assert plan_memory(source.config, dtype="float32", hc_mult=2, fsdp=4).parameter_bytes_per_device == (
+        plan.parameter_bytes // 4
+    )
+    # Tied embeddings: counted once in all, held by the first stage (embedding) and the last (LM head).
+    tied = plan_memory(tiny_backbone_config("llama", tie_word_embeddings=True), dtype="float32", hc_mult=2, tp=2, pp=2)
+    assert tied.parameter_bytes == 4 * (2 * layer + embed + 32 + head)
+    assert tied.parameter_bytes_per_stage == [4 * first, 4 * last]
+
+
+def test_mhc_traffic_and_pipeline_boundary_by_hand():
+    config = tiny_backbone_config("llama")  # C = 32
+    plan = plan_memory(config, tokens=16, batch=4, dtype="bfloat16", hc_mult=4, pp=2, microbatches=2)
+    # Per site, n = 4: unfused reads (5n+1)C = 21C, writes (3n+1)C = 13C; fused: coefficients + pre read nC = 4C and
+    # write C, post + comb + residual read (n+1)C = 5C and write nC = 4C. Two sites per layer, 2 bytes per value.
+    assert plan.mhc_traffic_unfused_bytes_per_token_layer == 2 * (21 + 13) * 32 * 2
+    assert plan.mhc_traffic_fused_bytes_per_token_layer == 2 * (4 + 1 + 5 + 4) * 32 * 2
+    assert plan.mhc_traffic_over_weights_decode["fused"] == pytest.approx(
+        2 * 14 * 32 * 2 / (plan.layer_weight_bytes / 4))
+    assert plan.mhc_traffic_over_weights_prefill["unfused"] == pytest.approx(
+        2 * 34 * 32 * 2 / (plan.layer_weight_bytes / (4 * 16)))
+    assert plan.pipeline_boundary_bytes_per_microbatch == 2 * 16 * 4 * 32 * 2  # 2 sequences x 16 tokens x nC x 2 B
+    residual = plan_memory(config, tokens=16, batch=4, dtype="bfloat16", microbatches=2)
+    assert residual.pipeline_boundary_bytes_per_microbatch == 2 * 16 * 32 * 2
+    assert residual.mhc_traffic_unfused_bytes_per_token_layer == 0 and residual.hc_parameter_bytes == 0
+
+
+def test_hf_mhc_plan_prints_a_table_and_writes_json(tmp_path, capsys):
+    folder = tmp_path / "mistral"
+    CASES["mistral"].save_pretrained(folder)
+    out = tmp_path / "plans" / "mistral.json"
+    assert main(["plan", str(folder), "--hc-mult", "2", "--tokens", str(TOKENS), "--batch", "2", "--dtype",
+                 "float32", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "mHC leaves the KV cache unchanged" in table and "KV cache, workload" in table
+    numbers = json.loads(out.read_text())
+    expected = plan_memory(CASES["mistral"], tokens=TOKENS, batch=2, dtype="float32", hc_mult=2)
+    assert numbers["kv_cache_bytes"] == expected.kv_cache_bytes
+    assert numbers["kv_cache_bytes_per_token"] == expected.kv_cache_bytes_per_token
+    assert numbers["hc_mult"] == 2
+
+
+def test_hf_mhc_plan_turns_bad_input_into_one_line(tmp_path, capsys):
+    folder = tmp_path / "llama"
+    tiny_backbone_config("llama").save_pretrained(folder)
+    (tmp_path / "empty").mkdir()
+    for argv, message in (
+        ([str(tmp_path / "nope")], f"no such folder: {tmp_path / 'nope'}"),
+        ([str(tmp_path / "empty")], f"no config.json in {tmp_path / 'empty'}"),
+        ([str(folder), "--batch", "3", "--microbatches", "2"], "batch 3 does not split into 2 equal microbatches"),
+        ([str(folder), "--tokens", "0"], "tokens must be a positive integer, got 0"),
+        ([str(folder), "--pp", "3"], "pp 3 exceeds the 2 layers"),
+        ([str(folder), "--json", str(folder)], f"{folder} is a folder, not a file"),
+    ):
+        assert main(["plan", *argv]) == 1, argv
+        assert capsys.readouterr().err == f"hf-mhc plan: error: {message}\n"
+    assert main(["plan", str(folder), "--hc-mult", "9"]) == 1
+    assert capsys.readouterr().err.startswith("hf-mhc plan: error: hc_mult must be")
