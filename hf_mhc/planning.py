@@ -21,8 +21,9 @@
   of the mHC paper's Table 2 with streams in ``dtype``: unfused (transformers' DeepSeek-V4 path) a site reads
   ``(5n+1)·C`` and writes ``(3n+1)·C``; with hf-mhc's fused kernels it reads ``n·C`` and writes ``C`` for the
   coefficients + ``pre`` collapse, and reads ``(n+1)·C`` and writes ``n·C`` for ``post`` + ``comb`` + residual. The
-  small ``n² + 2n`` coefficient terms are left out. Compared with the layer's weight bytes read per token: all of them
-  at decode (``batch`` tokens share one read), ``1 / (batch · tokens)`` of them at prefill.
+  small ``n² + 2n`` coefficient terms are left out. Compared with the layer's weight bytes read per token: at decode
+  one read shared by the ``batch`` tokens of a step (of a MoE layer's ``E`` routed experts at most ``top_k · batch``),
+  at prefill ``1 / (batch · tokens)`` of the whole layer.
 * **Pipeline boundary**: the ``n·C`` streams (``C`` for a residual model) of every token of a microbatch, in
   ``dtype``, cross each stage boundary forward (and their gradient backward).
 """
@@ -72,7 +73,8 @@ class MemoryPlan:
     fsdp: int
     parameter_bytes_per_stage: list[int]  # per device of each pipeline stage, after TP and FSDP
     parameter_bytes_per_device: int  # the largest of them
-    layer_weight_bytes: int  # the weights of one decoder layer, averaged over the layers (what a token reads)
+    layer_weight_bytes: int  # the weights of one decoder layer, averaged over the layers
+    layer_weight_bytes_read_per_token_decode: float  # of them, what one decode token reads (experts: at most k·B of E)
     mhc_traffic_unfused_bytes_per_token_layer: int
     mhc_traffic_fused_bytes_per_token_layer: int
     mhc_traffic_over_weights_decode: dict[str, float] = field(default_factory=dict)
@@ -233,15 +235,23 @@ def plan_memory(
         for stage in stages:
             stage_bytes[stage] += shard
     per_stage = [math.ceil(size / fsdp) for size in stage_bytes]
-    layer_weights = sum(
-        p.numel() * (4 if _is_hc(n) else element) for n, p in model.named_parameters() if _layer_index(n) is not None
-    ) // layers
+    layer_weights = decode_reads = 0
+    top_k = getattr(backbone, "num_experts_per_tok", None) or 1
+    for name, parameter in model.named_parameters():
+        if _layer_index(name) is None:
+            continue
+        size = parameter.numel() * (4 if _is_hc(name) else element)
+        layer_weights += size
+        # A decode step of `batch` tokens reads at most top_k * batch of a layer's E routed experts.
+        routed = "experts" in name.split(".")[:-1]
+        decode_reads += size * min(1.0, top_k * batch / parameter.shape[0]) if routed else size
+    layer_weights //= layers
 
     # mHC traffic per token per layer (two sites) and the pipeline boundary
     n, hidden = (hc_mult or 1), backbone.hidden_size
     unfused = 2 * ((5 * n + 1) + (3 * n + 1)) * hidden * element if hc_mult else 0
     fused = 2 * ((n + 1) + (n + 1) + n) * hidden * element if hc_mult else 0  # reads n + (n+1), writes 1 + n
-    decode_weights = layer_weights / batch
+    decode_weights = decode_reads / layers / batch
     prefill_weights = layer_weights / (batch * tokens)
     boundary = (batch // microbatches) * tokens * n * hidden * element
 
@@ -253,6 +263,7 @@ def plan_memory(
         parameter_bytes=backbone_bytes + hc_bytes, backbone_parameter_bytes=backbone_bytes,
         hc_parameter_bytes=hc_bytes, tp=tp, pp=pp, fsdp=fsdp, parameter_bytes_per_stage=per_stage,
         parameter_bytes_per_device=max(per_stage), layer_weight_bytes=layer_weights,
+        layer_weight_bytes_read_per_token_decode=decode_weights,
         mhc_traffic_unfused_bytes_per_token_layer=unfused, mhc_traffic_fused_bytes_per_token_layer=fused,
         mhc_traffic_over_weights_decode={"unfused": unfused / decode_weights, "fused": fused / decode_weights},
         mhc_traffic_over_weights_prefill={"unfused": unfused / prefill_weights, "fused": fused / prefill_weights},

@@ -104,6 +104,23 @@ def test_mhc_traffic_and_pipeline_boundary_by_hand():
     assert residual.mhc_traffic_unfused_bytes_per_token_layer == 0 and residual.hc_parameter_bytes == 0
 
 
+def test_decode_reads_only_the_routed_experts():
+    config = CASES["mixtral"]  # 4 experts, 2 per token
+    model = MHCForCausalLM(MHCConfig(backbone_config=config.to_dict(), hc_mult=2))
+    experts = other = 0
+    for name, p in model.named_parameters():
+        if ".layers." in name:
+            if ".experts." in name:
+                experts += p.numel() * 4
+            else:
+                other += p.numel() * 4
+    one = plan_memory(config, batch=1, dtype="float32", hc_mult=2)
+    assert one.layer_weight_bytes_read_per_token_decode == pytest.approx((other + experts / 2) / 2)
+    three = plan_memory(config, batch=3, dtype="float32", hc_mult=2)  # 3 tokens x 2 experts: all 4 read
+    assert three.layer_weight_bytes_read_per_token_decode == pytest.approx((other + experts) / 2 / 3)
+    assert one.layer_weight_bytes == (other + experts) // 2
+
+
 def test_hf_mhc_plan_prints_a_table_and_writes_json(tmp_path, capsys):
     folder = tmp_path / "mistral"
     CASES["mistral"].save_pretrained(folder)
