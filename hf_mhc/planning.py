@@ -8,9 +8,10 @@
   key and a value of ``num_key_value_heads × head_dim`` each (MHA, GQA and MQA alike); DeepSeek-V3's latent attention
   (MLA) holds the normalised latent ``[B, 1, T, kv_lora_rank]`` as its "key" and the rotary key
   ``[B, 1, T, qk_rope_head_dim]`` as its "value", i.e. ``kv_lora_rank + qk_rope_head_dim`` values. A sliding-window
-  (or chunked) layer keeps the last ``sliding_window - 1`` tokens, plus an 8-byte int64 holding the window. The layer
-  types are transformers' own (``layer_types``, else ``sliding_window``). mHC leaves the cache unchanged: attention
-  reads the collapsed ``[B, T, C]`` sublayer input, not the ``n`` streams.
+  (or chunked) layer keeps the last ``sliding_window - 1`` tokens, plus an 8-byte int64 holding the window (those
+  tokens are a view: its storage spans the whole prompt right after a prefill, ``sliding_window`` tokens while
+  decoding). The layer types are transformers' own (``layer_types``, else ``sliding_window``). mHC leaves the cache
+  unchanged: attention reads the collapsed ``[B, T, C]`` sublayer input, not the ``n`` streams.
 * **Parameters**: the model built on the ``meta`` device (no memory, no weights), the backbone in ``dtype`` and the HC
   maps in float32, then split per device: tensor parallelism (``tp``) shards the weights the backbone's TP plan names
   colwise / rowwise (a rowwise bias, the embeddings, norms, router, head and all HC maps are replicated); pipeline
@@ -204,7 +205,8 @@ def plan_memory(
     note = (
         ("MLA: each layer caches the latent [B, 1, T, kv_lora_rank] and the rotary key [B, 1, T, qk_rope_head_dim]"
          if attention == "MLA" else f"{attention}: each layer caches a key and a value per KV head")
-        + ("; sliding-window layers keep the last window - 1 tokens" if any(
+        + ("; sliding-window layers keep the last window - 1 tokens (a view: its storage spans the whole prompt"
+           " right after a prefill, window tokens while decoding)" if any(
             kind in SLIDING_LAYER_TYPES for kind in layer_types) else "")
         + ("; mHC leaves the KV cache unchanged (attention reads the collapsed stream)" if hc_mult else "")
     )
