@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, PreTrainedConfig
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+from transformers.core_model_loading import revert_weight_conversion
 from transformers.dynamic_module_utils import custom_object_save
 
 from hf_mhc.configuration_mhc import MHCConfig, check_backbone_type, check_hc_options
@@ -494,26 +494,26 @@ def plan_tensors(
             f"the config.json of {checkpoint.folder} describes a model transformers cannot build "
             f"({type(error).__name__}: {error})."
         ) from None
-    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if not is_hc_parameter(name)}
     family = config.backbone_config.model_type
     tied = config.tie_word_embeddings
-    if tied:
-        expected.pop("lm_head.weight", None)
     copied = {
         name: tensor
         for name, tensor in checkpoint.tensors.items()
         if not IGNORED_SOURCE_TENSOR.search(name) and not (tied and name == "lm_head.weight")
     }
+    # Either layout of the backbone tensors: as the model holds them in memory, or as transformers saves (and
+    # publishes) them, e.g. one tensor per MoE expert. The mHC model loads both, so they are copied as they are.
+    in_memory = model.state_dict()
+    layouts = [{name: tuple(tensor.shape) for name, tensor in layout.items() if not is_hc_parameter(name)}
+               for layout in (revert_weight_conversion(model, dict(in_memory)), in_memory)]
+    for layout in layouts:
+        if tied:
+            layout.pop("lm_head.weight", None)
+    weights = {name for name in copied if not name.endswith(f".weight{FP8_SCALE_SUFFIX}")}
+    expected = next((layout for layout in layouts if set(layout) == weights), layouts[0])
     scales = _scale_companions(copied, expected, quantization) if quantization is not None else {}
     missing = [name for name in expected if name not in copied]
     unexpected = [name for name in copied if name not in expected and name not in scales]
-    if unexpected and get_checkpoint_conversion_mapping(family) is not None:
-        raise ConversionError(
-            f"the weights in {checkpoint.folder} are in the layout published {family} checkpoints use (e.g. "
-            f"{unexpected[0]}: one tensor per MoE expert), which transformers converts on load and hf-mhc convert "
-            f"does not yet: upcycle the loaded model instead, hf_mhc.upcycle(AutoModelForCausalLM.from_pretrained("
-            f"SRC)).save_pretrained(OUT)."
-        )
     if missing or unexpected:
         raise ConversionError(
             f"the weights in {checkpoint.folder} do not match a {family} causal LM with this config: "

@@ -4,8 +4,8 @@ Such a checkpoint stores each Linear weight ``W [out, in]`` as float8_e4m3fn ``Q
 ``weight_scale_inv S [out / b0, in / b1]`` beside it, ``W ≈ Q · S`` block by block, and its config.json has
 ``quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size":
 [b0, b1]}``. Without a GPU transformers dequantizes it on load (``W = Q · S`` in the model's dtype). The tests build
-such a checkpoint from a tiny random DeepSeek-V3 (MLA attention; every layer dense, since routed experts are
-published one tensor per expert, a layout ``hf-mhc convert`` refuses), check that transformers reads it as the
+such a checkpoint from a tiny random DeepSeek-V3 (MLA attention; every layer dense; a separate test has routed experts,
+published one tensor per expert), check that transformers reads it as the
 dequantized model, then convert it.
 """
 
@@ -217,12 +217,14 @@ def test_a_malformed_fp8_checkpoint_fails_in_one_line(fp8_source, tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
-def test_fp8_routed_experts_in_the_published_layout_are_refused_naming_an_expert(tmp_path, capsys):
-    """DeepSeek-V3's routed experts are published one FP8 tensor per expert, each with its scales: the one-line
-    refusal names an expert weight (not a scale) and says what works instead."""
+def test_fp8_routed_experts_in_the_published_layout_convert_byte_exact(tmp_path):
+    """DeepSeek-V3's routed experts are published one FP8 tensor per expert, each with its scales: they are copied as
+    stored, and transformers pairs each with its scales and fuses the experts when it loads the mHC checkpoint."""
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_backbone_config("deepseek_v3")).save_pretrained(tmp_path / "plain")
     state = load_file(tmp_path / "plain" / "model.safetensors")
+    experts = [name for name in state if ".experts.0." in name]
+    assert experts  # the published layout: one tensor per expert
     for name in [name for name in state if name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")]:
         state[name], state[name + "_scale_inv"] = quantize_blockwise(state[name])
     src = tmp_path / "src"
@@ -230,11 +232,15 @@ def test_fp8_routed_experts_in_the_published_layout_are_refused_naming_an_expert
     save_file(state, src / "model.safetensors", metadata={"format": "pt"})
     raw = json.loads((tmp_path / "plain" / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**raw, "quantization_config": QUANTIZATION}))
-    status = main(["convert", str(src), str(tmp_path / "out"), "--no-verify"])
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("hf-mhc convert: error: ")]
-    assert status == 1 and len(lines) == 1, err
-    assert "one tensor per MoE expert" in lines[0] and "mlp.experts.0." in lines[0] and "_scale_inv:" not in lines[0]
+    report = convert_checkpoint(src, tmp_path / "out", hc_mult=4, progress=False)
+    assert report.verification is not None and report.verification.passed, report.verification.summary()
+    out_entries = raw_entries(tmp_path / "out")
+    assert {name: entry for name, entry in out_entries.items() if not is_hc_parameter(name)} == raw_entries(src)
+    assert out_entries[experts[0]][0] == "F8_E4M3"
+    ids = token_ids()
+    source_logits = logits_of(src, ids)
+    got = logits_of(tmp_path / "out", ids)
+    assert (got - source_logits).abs().max().item() <= 1e-4 * max(1.0, source_logits.abs().max().item())
 
 
 def test_verification_decodes_both_models_with_the_same_settings(fp8_source, tmp_path):
