@@ -134,6 +134,12 @@ def test_hf_mhc_plan_prints_a_table_and_writes_json(tmp_path, capsys):
     assert numbers["kv_cache_bytes"] == expected.kv_cache_bytes
     assert numbers["kv_cache_bytes_per_token"] == expected.kv_cache_bytes_per_token
     assert numbers["hc_mult"] == 2
+    mhc_folder = tmp_path / "mhc"  # an mHC config plans with its own hc_mult
+    MHCConfig(backbone_config=CASES["gemma3_text"].to_dict(), hc_mult=3).save_pretrained(mhc_folder)
+    assert main(["plan", str(mhc_folder), "--tokens", str(TOKENS), "--json", str(out)]) == 0
+    numbers = json.loads(out.read_text())
+    assert numbers["hc_mult"] == 3 and numbers["model_type"] == "gemma3_text"
+    assert numbers["kv_cache_bytes"] == plan_memory(CASES["gemma3_text"], tokens=TOKENS).kv_cache_bytes
 
 
 def test_hf_mhc_plan_turns_bad_input_into_one_line(tmp_path, capsys):
