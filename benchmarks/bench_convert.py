@@ -1,8 +1,10 @@
 """Time and peak memory of ``hf-mhc convert`` on a ~2 GB sharded Llama checkpoint, against copying the files.
 
-The synthetic checkpoint (random bfloat16 weights, Llama layout, several safetensors shards with an index) is
-written tensor by tensor into a temporary folder, never held in memory. Each measured command then runs in its own
-child process (started by a small launcher), whose wall time and peak RSS (``ru_maxrss``) are recorded:
+The synthetic checkpoint (random bfloat16 weights, several safetensors shards with an index) is written tensor by
+tensor into a temporary folder, never held in memory. ``--family llama`` (default) writes a Llama; ``--family
+qwen3_moe`` a Qwen3-MoE in the layout transformers saves and the Hub publishes, one tensor per expert (the names and
+shapes of ``save_pretrained``, taken from the model built on the meta device). Each measured command then runs in its
+own child process (started by a small launcher), whose wall time and peak RSS (``ru_maxrss``) are recorded:
 
 - ``copy``: ``shutil.copytree`` of the checkpoint folder (the baseline; data may still sit in the page cache);
 - ``copy_fsync``: the same, then ``fsync`` of every copied file, which the conversion also does before its rename;
@@ -13,6 +15,7 @@ child process (started by a small launcher), whose wall time and peak RSS (``ru_
 Runs alternate copy / convert ``--repeats`` times; the medians are reported. Usage::
 
     .venv/bin/python benchmarks/bench_convert.py [--size-gb 2] [--repeats 3] [--json benchmarks/results/convert.json]
+    .venv/bin/python benchmarks/bench_convert.py --family qwen3_moe --size-gb 1 [--json ...convert_moe.json]
 
 Prints each command to stderr as it starts and each run's figures as it ends, then the table; the results are written
 as JSON only with ``--json PATH`` (otherwise printed after the table).
@@ -35,7 +38,8 @@ from pathlib import Path
 
 import torch
 from benchlib import add_json_argument, progress, report
-from transformers import LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedConfig, Qwen3MoeConfig
+from transformers.core_model_loading import revert_weight_conversion
 
 from hf_mhc.conversion.safetensors_stream import SafetensorsStreamWriter, TensorSpec
 
@@ -78,7 +82,31 @@ def layer_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
-def checkpoint_specs(config: LlamaConfig) -> list[TensorSpec]:
+def synthetic_qwen3_moe_config(size_gb: float) -> Qwen3MoeConfig:
+    """A Qwen3-MoE config (hidden 1024, 32 experts of width 384, 4 active) with enough layers for ``size_gb`` GB."""
+    config = Qwen3MoeConfig(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=384, num_experts=32,
+        num_experts_per_tok=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_hidden_layers=1,
+        max_position_embeddings=2048, tie_word_embeddings=False, dtype="bfloat16",
+    )
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    specs = saved_layout_specs(config)
+    embeddings = sum(spec.nbytes for spec in specs if ".layers." not in spec.name)
+    config.num_hidden_layers = max(1, round((size_gb * 1e9 - embeddings) / (sum(s.nbytes for s in specs) - embeddings)))
+    return config
+
+
+def saved_layout_specs(config: PreTrainedConfig) -> list[TensorSpec]:
+    """The tensors ``save_pretrained`` writes for ``config``, in bfloat16: MoE experts one tensor per expert."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    state = revert_weight_conversion(model, model.state_dict())
+    return [TensorSpec(name, torch.bfloat16, tuple(tensor.shape)) for name, tensor in state.items()]
+
+
+def checkpoint_specs(config: PreTrainedConfig) -> list[TensorSpec]:
+    if config.model_type != "llama":
+        return saved_layout_specs(config)
     specs = [TensorSpec("model.embed_tokens.weight", torch.bfloat16, (config.vocab_size, config.hidden_size))]
     for layer in range(config.num_hidden_layers):
         for name, shape in layer_shapes(config).items():
@@ -88,7 +116,7 @@ def checkpoint_specs(config: LlamaConfig) -> list[TensorSpec]:
     return specs
 
 
-def write_synthetic_checkpoint(folder: Path, config: LlamaConfig) -> int:
+def write_synthetic_checkpoint(folder: Path, config: PreTrainedConfig) -> int:
     """Write ``config``'s checkpoint into ``folder`` in shards of about ``SOURCE_SHARD_BYTES``; returns its bytes."""
     shards: list[list[TensorSpec]] = [[]]
     for spec in checkpoint_specs(config):
@@ -145,10 +173,15 @@ def measure(command: list[str]) -> dict[str, float]:
     return {"seconds": result["seconds"], "peak_rss_mb": result["peak_rss_mb"]}
 
 
+SYNTHETIC_CONFIGS = {"llama": synthetic_llama_config, "qwen3_moe": synthetic_qwen3_moe_config}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size in GB (default 2)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each command (default 3; medians reported)")
+    parser.add_argument("--family", choices=sorted(SYNTHETIC_CONFIGS), default="llama",
+                        help="llama (default) or qwen3_moe (MoE experts one tensor per expert, as published)")
     add_json_argument(parser)
     return parser.parse_args(argv)
 
@@ -162,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
 def run_benchmark(args: argparse.Namespace) -> dict:
     """Write the synthetic checkpoint, time every command ``args.repeats`` times; the results (medians, ratios,
     every run, the machine)."""
-    config = synthetic_llama_config(args.size_gb)
+    config = SYNTHETIC_CONFIGS[args.family](args.size_gb)
     with tempfile.TemporaryDirectory(prefix="bench-convert-") as tmp:
         tmp_path = Path(tmp)
         source = tmp_path / "source"
@@ -202,7 +235,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     return {
         "command": "hf-mhc convert SRC OUT --no-verify",
         "checkpoint": {
-            "family": "llama",
+            "family": config.model_type,
             "dtype": "bfloat16",
             "layers": config.num_hidden_layers,
             "bytes": source_bytes,
@@ -232,7 +265,8 @@ def markdown_table(result: dict) -> str:
     checkpoint = result["checkpoint"]
     return "\n".join(
         [
-            f"Llama checkpoint, bfloat16, {checkpoint['bytes'] / 1e9:.2f} GB in {checkpoint['source_shards']} shards "
+            f"{checkpoint['family']} checkpoint, bfloat16, {checkpoint['bytes'] / 1e9:.2f} GB in "
+            f"{checkpoint['source_shards']} shards "
             f"(medians of {result['repeats']} runs, each in a fresh process):",
             "",
             "| command | seconds | peak RSS (MB) |",

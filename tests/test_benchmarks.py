@@ -102,3 +102,23 @@ def test_a_run_prints_progress_and_writes_results_only_with_json(load, name, tmp
     written = json.loads((tmp_path / "out" / "results.json").read_text())
     assert written.keys() == json.loads(printed).keys()
     assert "results written to out/results.json" in err and "not written" not in out
+
+
+def test_the_synthetic_moe_checkpoint_has_the_layout_save_pretrained_writes(load, tmp_path):
+    """bench_convert's Qwen3-MoE checkpoint: the names and shapes a real model's ``save_pretrained`` writes (one
+    tensor per expert), the layout ``hf-mhc convert`` streams."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    module = load("bench_convert")
+    config = module.synthetic_qwen3_moe_config(0.0)
+    config.update(dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+                       num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       num_hidden_layers=2))
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as saved:
+        layout = {name: tuple(saved.get_slice(name).get_shape()) for name in saved.keys()}
+    specs = {spec.name: spec.shape for spec in module.saved_layout_specs(config)}
+    assert specs == layout and any(".experts.3." in name for name in specs)
+    assert {spec.dtype for spec in module.saved_layout_specs(config)} == {torch.bfloat16}
