@@ -7,11 +7,11 @@ checkpoint writer are replaced by stand-ins, and the rest of the script runs as 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import import_script
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = ["bench_kernels", "bench_memory", "bench_training_step", "bench_upcycle", "bench_convert", "bench_kv_cache"]
@@ -39,13 +39,7 @@ def load(monkeypatch):
     """Import a script from ``benchmarks/`` as a module (its folder on ``sys.path``, as when it runs)."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
 
-    def load_script(name: str):
-        spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    return load_script
+    return lambda name: import_script(BENCHMARKS / f"{name}.py")
 
 
 def stand_ins(module, name: str, monkeypatch) -> None:

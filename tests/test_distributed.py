@@ -8,19 +8,18 @@ tests read its output.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import FAMILIES, VOCAB, tiny_backbone_config
+from conftest import FAMILIES, VOCAB, import_script, tiny_backbone_config
+from test_remote_code import remote_code_logits
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_mhc import MHCConfig, MHCForCausalLM, MHCModel
@@ -84,21 +83,6 @@ def run_stages(stages, input_ids: torch.Tensor) -> torch.Tensor:
     return activations
 
 
-LOAD_WITHOUT_PLUGIN = textwrap.dedent(
-    """
-    import sys
-    sys.modules["hf_mhc"] = None  # `import hf_mhc` now raises ImportError
-    import torch
-    from transformers import AutoModelForCausalLM
-    folder, ids_file, out_file = sys.argv[1:]
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-    with torch.no_grad():
-        torch.save(model(torch.load(ids_file)).logits, out_file)
-    print(type(model).__module__, type(model).__name__)
-    """
-)
-
-
 def assert_ordinary_mhc_folder(folder: Path) -> None:
     """``folder`` is what ``save_pretrained`` writes for an unwrapped mHC causal LM."""
     config = json.loads((folder / "config.json").read_text())
@@ -111,17 +95,9 @@ def assert_loads_without_the_plugin(folder: Path, work: Path) -> None:
     """``folder`` loads with ``trust_remote_code=True`` where ``hf_mhc`` cannot be imported, to the logits the plugin
     gives (its reference formula against the plugin's kernels: float32 rounding)."""
     ids = torch.randint(3, 60, (2, 9))
-    torch.save(ids, work / "ids.pt")
-    env = {**os.environ, "HF_HOME": str(work / "hf_home"), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", LOAD_WITHOUT_PLUGIN, str(folder), str(work / "ids.pt"), str(work / "out.pt")],
-        env=env, capture_output=True, text=True, timeout=300, cwd=work,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split()[-2].startswith("transformers_modules"), result.stdout
+    remote = remote_code_logits(folder, ids, work)
     with torch.no_grad():
         expected = MHCForCausalLM.from_pretrained(folder).eval()(ids).logits
-    remote = torch.load(work / "out.pt")
     assert (remote - expected).abs().max() <= 1e-4 * expected.abs().max()
 
 
@@ -307,10 +283,7 @@ def test_pipeline_schedule_matches_one_process(schedule, pipeline_launch):
 
 def example_module(name: str):
     """``examples/<name>.py`` imported as a module (its helpers, without running it)."""
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_script(EXAMPLES / f"{name}.py")
 
 
 def changed_parameters(trained: torch.nn.Module, initial: torch.nn.Module) -> set[str]:

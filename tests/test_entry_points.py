@@ -4,11 +4,10 @@ traceback (``hf-mhc``, ``examples/quickstart.py``; ``examples/finetune.py`` in t
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 import pytest
-from conftest import tiny_backbone_config
+from conftest import import_script, tiny_backbone_config
 from transformers import LlamaForCausalLM
 
 import hf_mhc
@@ -56,10 +55,7 @@ def test_hf_mhc_says_no_such_folder_and_turns_bad_input_into_one_line(capsys, mo
 
 @pytest.fixture(scope="module")
 def quickstart():
-    spec = importlib.util.spec_from_file_location("quickstart_example", QUICKSTART)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_script(QUICKSTART)
 
 
 def quickstart_error(quickstart, argv: list[str], capsys) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import JANEAUSTEN, STORIES260K, tiny_backbone_config
+from conftest import JANEAUSTEN, STORIES260K, import_script, tiny_backbone_config
 from peft import AutoPeftModelForCausalLM
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -135,10 +134,7 @@ def test_accelerate_configs_are_valid_and_wrap_the_mhc_decoder_layer():
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("finetune_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_script(EXAMPLE)
 
 
 def usage_error(example, argv: list[str], capsys) -> str:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import torch
 from conftest import VOCAB, tiny_backbone_config
@@ -28,23 +29,29 @@ LOAD_WITHOUT_PLUGIN = textwrap.dedent(
 )
 
 
+def remote_code_logits(folder: Path, ids: torch.Tensor, work: Path) -> torch.Tensor:
+    """The logits of ``folder`` loaded with ``trust_remote_code=True`` in a process where ``hf_mhc`` cannot be
+    imported (its own copy of the modeling code, from ``transformers_modules``)."""
+    torch.save(ids, work / "ids.pt")
+    env = {**os.environ, "HF_HOME": str(work / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_PLUGIN, str(folder), str(work / "ids.pt"), str(work / "out.pt")],
+        env=env, capture_output=True, text=True, timeout=300, cwd=work,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1].startswith("transformers_modules"), result.stdout
+    return torch.load(work / "out.pt")
+
+
 def test_saved_folder_loads_with_remote_code_without_the_plugin(tmp_path):
     config = MHCConfig(backbone_config=tiny_backbone_config("qwen2"), hc_mult=3, hc_init="deepseek_v4")
     model = MHCForCausalLM(config).eval()
     folder = tmp_path / "checkpoint"
     model.save_pretrained(folder)
     ids = torch.randint(0, VOCAB, (2, 7))
-    torch.save(ids, tmp_path / "ids.pt")
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", LOAD_WITHOUT_PLUGIN, str(folder), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "transformers_modules" in result.stdout
     # The plugin runs its own kernels, the remote copy the plain reference formula: equal up to float32 rounding.
     with torch.no_grad():
-        torch.testing.assert_close(torch.load(tmp_path / "out.pt"), model(ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(remote_code_logits(folder, ids, tmp_path), model(ids).logits, atol=1e-5, rtol=1e-5)
 
 
 WITHOUT_TRITON = textwrap.dedent(
