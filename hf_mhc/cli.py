@@ -168,7 +168,7 @@ def _setup_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG", help="folder holding config.json, or Hugging Face Hub model id")
     parser.add_argument("--tokens", type=int, default=8192, metavar="N", help="tokens per sequence (default 8192)")
     parser.add_argument("--batch", type=int, default=1, metavar="B", help="sequences (default 1)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
                         help="backbone weights, KV cache and streams (default bfloat16; HC weights stay float32)")
     parser.add_argument("--hc-mult", type=int, metavar="N",
                         help="plan the mHC model with N streams (default: the config's own; a residual config as is)")

@@ -41,9 +41,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .configuration_mhc import MHCConfig, check_backbone_type
+from .conversion.convert import DTYPES  # the model dtypes hf-mhc's commands take
 from .modeling_mhc import HC_MODULE_NAMES
 
-DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 WINDOW_TENSOR_BYTES = 8  # the int64 scalar a DynamicSlidingWindowLayer holds (its `_sliding_window_tensor`)
 SHARDED_TP_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise", "local_colwise", "local_rowwise")
