@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup, set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers of finetune.py and fsdp2_finetune.py
 
@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     train.add_argument("--weight-decay", type=float, default=0.0)
     train.add_argument("--max-grad-norm", type=float, default=1.0,
                        help="clip the global gradient norm to this (default 1.0; 0: no clipping)")
-    train.add_argument("--seed", type=int, default=0, help="data order (and --upcycle's tie breaks)")
+    train.add_argument("--seed", type=int, default=0, help="data order and random number generators (default 0)")
     train.add_argument("--output-dir", required=True, help="new or empty folder for the trained model")
     train.add_argument("--overwrite", action="store_true",
                        help="reuse the --output-dir of an earlier run: delete its results first")
@@ -273,6 +273,7 @@ def check_args_before_work(parser: argparse.ArgumentParser, args: argparse.Names
 
 def main(argv: list[str] | None = None) -> int:
     parser, args = parse_args(argv)
+    set_seed(args.seed)
     out, checkpoint, state, model, tokenizer, blocks, corpus = check_args_before_work(parser, args)
     was_tied = untie_lm_head(model)
     pipelined = args.world_size > 1
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     if checkpoint is not None:
         optimizer.load_state_dict(torch.load(Path(checkpoint) / "optimizer.pt", mmap=True)["ranks"][rank])
         scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt"))
-        set_rng_state(torch.load(Path(checkpoint) / f"rng_state_{rank}.pth", weights_only=False))
+        set_rng_state(torch.load(Path(checkpoint) / f"rng_state_{rank}.pth"))
         start_step, log_history = state["global_step"], state["log_history"]
 
     if rank == 0:
