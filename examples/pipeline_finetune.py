@@ -1,44 +1,164 @@
-"""Fine-tune an mHC causal LM with pipeline parallelism (hf_mhc.distributed.split_pipeline, Schedule1F1B), then
-save it.
+"""Fine-tune an mHC causal LM with pipeline parallelism (hf_mhc.distributed.split_pipeline and a
+torch.distributed.pipelining schedule), then save it.
 
     torchrun --nproc_per_node=2 examples/pipeline_finetune.py --steps 20 --output-dir outputs/pipeline
-    torchrun --nproc_per_node=4 examples/pipeline_finetune.py --model MHC_FOLDER --batch-size 16 --microbatches 8 \\
-        --output-dir OUT
+    torchrun --nproc_per_node=4 examples/pipeline_finetune.py --model MHC_FOLDER --schedule interleaved1f1b \\
+        --batch-size 16 --microbatches 8 --save-every 100 --output-dir OUT
+    python examples/pipeline_finetune.py --model MHC_FOLDER --output-dir OUT     # one process, no pipeline
 
-Rank r holds stage r of ``split_pipeline(model, world_size)``: consecutive decoder layers, stage 0 also the
-embedding, the last stage also ``hc_head``, the final norm and ``lm_head``. Between the stages travel the mHC streams
-``[B, T, n, C]``. Each step feeds --batch-size sequences, cut into --microbatches, through the 1F1B schedule, and
-every rank steps AdamW on its own stage. Backend: NCCL on GPUs (one per rank), gloo on CPU.
+Stages: ``split_pipeline(model, S)`` cuts the model into S stages of consecutive decoder layers (stage 0 also holds
+the embedding, the last stage ``hc_head``, the final norm and ``lm_head``); the mHC streams ``[B, T, n, C]`` travel
+between them. --schedule gpipe and 1f1b give rank r stage r (S = world size); interleaved1f1b and dualpipev give every
+rank two stages (S = 2 x world size): rank r holds stages r and r + world size (interleaved, looped) or r and
+S - 1 - r (DualPipeV, V-shaped). Backend: NCCL on GPUs (one per rank), gloo on CPU.
+
+Each step feeds --batch-size sequences, cut into --microbatches, through the schedule: the gradient is the mean over
+the microbatches of each one's mean next-token loss. Every rank then clips its gradients by the global norm (the
+squared norms of all stages all-reduced) and steps AdamW on its stages, with a linear warm-up and a cosine decay of
+the learning rate. Run without torchrun (or with one rank), the script trains the whole model in one process on the
+same microbatches with the same gradient accumulation, so it reaches the weights of the pipelined run.
 
 Tied embeddings (``lm_head.weight is embed_tokens.weight``, as in stories260K) sit on the first and the last stage:
-``untie_word_embeddings=True`` gives the last stage its own copy of ``lm_head``, trained separately from then on, so
-the saved folder has ``tie_word_embeddings: false``.
+``lm_head`` gets its own copy before training (in every mode, so all modes train the same parameters), and the
+saved folder has ``tie_word_embeddings: false``.
 
---model, --dataset: as in examples/fsdp2_finetune.py (default: stories260K upcycled, or a tiny random Llama; Jane
-Austen's novels, or pydoc_data). Output (--output-dir, empty or new unless --overwrite): rank 0 gathers every stage's
-state dict, whose tensors keep their full-model names, and writes an ordinary mHC folder that
-``AutoModelForCausalLM.from_pretrained`` loads.
+--model: an mHC folder (or a residual one with --upcycle). Default: ../shared/assets/stories260K upcycled when that
+folder exists. --dataset: a Hugging Face Hub dataset id, or local .txt / .json / .jsonl / .csv / .parquet files (a
+path, a glob or a folder). Default: Jane Austen's novels from ../shared/assets/janeausten when present, else Python's
+own help texts (pydoc_data). Texts are tokenised, joined with EOS and cut into --block-size blocks, which every step
+draws from a --seed shuffle (reshuffled after each pass over the data).
+
+Output (--output-dir, new or empty unless --overwrite or --resume): rank 0 gathers every stage's state dict (their
+tensors keep the full model's names) and writes an ordinary mHC folder that ``AutoModelForCausalLM.from_pretrained``
+loads, with the tokenizer and ``trainer_state.json`` (the run's options and the loss, learning rate and gradient norm
+of every step). Every --save-every steps the same goes to OUTPUT_DIR/checkpoint-STEP, plus ``optimizer.pt`` (every
+rank's AdamW state), ``scheduler.pt`` and ``rng_state_RANK.pth``: --resume continues the last one (or the given
+checkpoint) on the same number of ranks with the same options, and reaches the losses and weights of an
+uninterrupted run. --overwrite first deletes the earlier run's results from --output-dir (as examples/finetune.py).
+
+Bad input (a missing --model, unusable dataset files, --microbatches that do not divide --batch-size or that the
+schedule cannot run, more stages than decoder layers, a non-empty --output-dir, ...) stops every rank with one
+"pipeline_finetune.py: error: ..." line before any process group is started.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import os
+import random
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup, set_seed
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers of fsdp2_finetune.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers of finetune.py and fsdp2_finetune.py
 
-from fsdp2_finetune import (  # noqa: E402
-    check_block_size,
-    load_model,
-    parse_args,
-    start_distributed,
-    token_blocks,
-)
+import finetune  # noqa: E402  (dataset loading, the --model / --output-dir / --resume checks)
+from fsdp2_finetune import start_distributed  # noqa: E402
+
+import hf_mhc  # noqa: E402
+from hf_mhc.cli import first_line  # noqa: E402
+from hf_mhc.distributed import split_pipeline  # noqa: E402
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "dualpipev")
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2, "dualpipev": 2}
+# The options a resumed run must share with the run it continues (--steps may grow).
+RUN_OPTIONS = ("schedule", "world_size", "microbatches", "batch_size", "block_size", "seed", "lr", "warmup_steps",
+               "weight_decay", "max_grad_norm")
+STATE_FILE = "trainer_state.json"
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    parser = argparse.ArgumentParser(prog="pipeline_finetune.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", help="mHC folder (or residual one with --upcycle): folder or Hub id")
+    model.add_argument("--tokenizer", help="tokenizer folder or Hub id (default: --model)")
+    model.add_argument("--upcycle", action="store_true", help="convert a residual checkpoint to mHC on the fly")
+    model.add_argument("--hc-mult", type=int, default=None, help="streams n for --upcycle (default 4)")
+    data = parser.add_argument_group("data")
+    data.add_argument("--dataset", help="Hub dataset id or local files / glob (default: see above)")
+    data.add_argument("--dataset-config", help="Hub dataset configuration name")
+    data.add_argument("--split", default="train", help="Hub dataset split (default train)")
+    data.add_argument("--text-column", default="text", help="column holding the text (default text)")
+    data.add_argument("--block-size", type=int, default=64, help="tokens per training sequence (default 64)")
+    train = parser.add_argument_group("training")
+    train.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
+    train.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    train.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
+    train.add_argument("--microbatches", type=int, default=2,
+                       help="microbatches per step; must divide --batch-size (default 2)")
+    train.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate (default 5e-4)")
+    train.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default steps // 10)")
+    train.add_argument("--weight-decay", type=float, default=0.0)
+    train.add_argument("--max-grad-norm", type=float, default=1.0,
+                       help="clip the global gradient norm to this (default 1.0; 0: no clipping)")
+    train.add_argument("--seed", type=int, default=0, help="data order and random number generators (default 0)")
+    train.add_argument("--output-dir", required=True, help="new or empty folder for the trained model")
+    train.add_argument("--overwrite", action="store_true",
+                       help="reuse the --output-dir of an earlier run: delete its results first")
+    train.add_argument("--save-every", type=int, default=0,
+                       help="save a checkpoint every N steps to OUTPUT_DIR/checkpoint-N (default 0: none)")
+    train.add_argument("--resume", nargs="?", const="last", default=None, metavar="CHECKPOINT",
+                       help="continue from the last checkpoint in --output-dir, or from CHECKPOINT")
+    parser.set_defaults(lora=False)  # finetune.py's checks also serve its LoRA mode
+    args = parser.parse_args(argv)
+
+    if args.model is None:
+        if not finetune.STORIES260K.is_dir():
+            parser.error("--model is required (the default ../shared/assets/stories260K is not present)")
+        args.model, args.upcycle = str(finetune.STORIES260K), True
+    for name in ("steps", "batch_size", "microbatches", "block_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.lr > 0:
+        parser.error(f"--lr must be > 0, got {args.lr}")
+    if args.save_every < 0 or args.max_grad_norm < 0:
+        parser.error("--save-every and --max-grad-norm must be >= 0")
+    if args.hc_mult is not None and not args.upcycle:
+        parser.error("--hc-mult only applies with --upcycle (an mHC checkpoint keeps its own number of streams)")
+    if args.resume is not None and args.overwrite:
+        parser.error("--resume continues the run in --output-dir, --overwrite replaces it: choose one")
+    if args.batch_size % args.microbatches:
+        parser.error(f"--microbatches {args.microbatches} does not divide --batch-size {args.batch_size}: choose a "
+                     "divisor (each microbatch gets batch-size / microbatches sequences)")
+    if args.warmup_steps is None:
+        args.warmup_steps = args.steps // 10
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets it; the process group comes later
+    args.num_stages = STAGES_PER_RANK[args.schedule] * args.world_size if args.world_size > 1 else 1
+    schedule_error = microbatch_error(args.schedule, args.microbatches, args.world_size, args.num_stages)
+    if schedule_error is not None:
+        parser.error(schedule_error)
+    return parser, args
+
+
+def microbatch_error(schedule: str, microbatches: int, world_size: int, num_stages: int) -> str | None:
+    """Why ``schedule`` cannot run ``microbatches`` on ``world_size`` ranks (torch's own conditions), else None."""
+    if world_size < 2:
+        return None
+    if schedule == "1f1b" and microbatches < num_stages:
+        return f"--schedule 1f1b needs --microbatches >= the {num_stages} stages, got {microbatches}"
+    if schedule == "dualpipev" and microbatches < num_stages:
+        return f"--schedule dualpipev needs --microbatches >= the {num_stages} stages (2 per rank), got {microbatches}"
+    rounds = max(1, microbatches // world_size)
+    if schedule == "interleaved1f1b" and microbatches % rounds:
+        return (f"--schedule interleaved1f1b runs --microbatches in rounds of {world_size} (one per rank): use a "
+                f"multiple of {world_size} or fewer than {world_size}, got {microbatches}")
+    return None
+
+
+def local_stage_indices(schedule: str, rank: int, world_size: int) -> list[int]:
+    """The stages rank ``rank`` holds, in the order its schedule takes them."""
+    if STAGES_PER_RANK[schedule] == 1:
+        return [rank]
+    if schedule == "interleaved1f1b":
+        return [rank, rank + world_size]
+    return [rank, 2 * world_size - 1 - rank]  # dualpipev: V-shaped, rank 0 holds the first and the last stage
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -46,70 +166,241 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
 
 
-def main(argv: list[str] | None = None) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+def batch_indices(step: int, batch_size: int, num_blocks: int, seed: int) -> list[int]:
+    """The blocks of step ``step`` (0-based): consecutive positions of a stream of shuffles of all blocks, one
+    shuffle (seeded by ``seed`` and the pass) per pass, so a resumed run draws the blocks of an uninterrupted one."""
+    indices = []
+    for position in range(step * batch_size, (step + 1) * batch_size):
+        epoch, offset = divmod(position, num_blocks)
+        order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        indices.append(int(order[offset]))
+    return indices
 
-    from hf_mhc.distributed import split_pipeline
 
-    def microbatch_option(parser):
-        parser.add_argument("--microbatches", type=int, default=2,
-                            help="microbatches per step; must divide --batch-size (default 2)")
+def untie_lm_head(model: hf_mhc.MHCForCausalLM) -> bool:
+    """Give a tied ``lm_head`` its own copy of the embedding (and say so in the config); whether it was tied."""
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        return False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    model.config.backbone_config.tie_word_embeddings = False
+    return True
 
-    parser, args = parse_args(__doc__, argv, "sequences per step, split into --microbatches (default 4)",
-                              microbatch_option)
-    if args.microbatches < 1 or args.batch_size % args.microbatches:
-        parser.error(f"--microbatches {args.microbatches} must be >= 1 and divide --batch-size {args.batch_size}")
-    rank, world_size, device = start_distributed()
-    if world_size < 2:
-        sys.exit("a pipeline needs 2 or more ranks: torchrun --nproc_per_node=2 ...")
-    model, tokenizer, description = load_model(args)
-    check_block_size(model, args.block_size)
-    if world_size > len(model.model.layers):
-        sys.exit(f"{world_size} ranks but the model has {len(model.model.layers)} decoder layers: use fewer ranks")
-    blocks = token_blocks(tokenizer, args.dataset, args.steps * args.batch_size, args.block_size)
-    is_first, is_last = rank == 0, rank == world_size - 1
-    if is_first:
-        print(f"model: {description}; {world_size} stages, {args.batch_size} sequences of {args.block_size} per "
-              f"step in {args.microbatches} microbatches")
 
-    was_tied = model.lm_head.weight is model.model.embed_tokens.weight
-    stages = split_pipeline(model.train(), num_stages=world_size, untie_word_embeddings=True)
-    stage_module = stages[rank].to(device)
-    schedule = Schedule1F1B(PipelineStage(stage_module, rank, world_size, device),
-                            n_microbatches=args.microbatches, loss_fn=next_token_loss)
-    optimizer = torch.optim.AdamW(stage_module.parameters(), lr=args.lr)
-    for step in range(args.steps):
-        batch = blocks[step * args.batch_size : (step + 1) * args.batch_size].to(device)
-        losses: list[torch.Tensor] = []
-        if is_first:
-            schedule.step(batch)
-        elif is_last:
-            schedule.step(target=batch, losses=losses)
+def clip_global_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float, distributed: bool) -> float:
+    """Scale the gradients of ``parameters`` (this rank's, summed over all ranks when ``distributed``) to a global
+    L2 norm of at most ``max_norm`` (``0``: no clipping); return the norm before clipping. The squares are summed
+    in float64, so the norm does not depend on how the parameters are split into stages."""
+    gradients = [parameter.grad for parameter in parameters if parameter.grad is not None]
+    device = gradients[0].device if gradients else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for gradient in gradients:
+        squares += torch.linalg.vector_norm(gradient, dtype=torch.float64).square()
+    if distributed:
+        dist.all_reduce(squares)
+    norm = squares.sqrt()
+    if max_norm > 0:
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for gradient in gradients:
+            gradient.mul_(coefficient.to(gradient.dtype))
+    return norm.item()
+
+
+def cpu_copy(value):
+    """``value`` (a state dict: nested dicts, lists and tensors) with every tensor detached onto the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: cpu_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(cpu_copy(item) for item in value)
+    return value
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def check_args_before_work(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """Every check that needs no process group: paths, the checkpoint to resume, the model, the data. Returns the
+    output folder, the checkpoint (or None), the model, the tokenizer and the token blocks."""
+    out = finetune.check_paths(parser, args)
+    checkpoint = finetune.resume_checkpoint(parser, args, out)
+    state = None
+    if checkpoint is not None:
+        state = json.loads((Path(checkpoint) / STATE_FILE).read_text(encoding="utf-8"))
+        saved = state.get("options", {})
+        differing = [f"--{name.replace('_', '-')} {saved.get(name)!r} (now {getattr(args, name)!r})"
+                     for name in RUN_OPTIONS if saved.get(name) != getattr(args, name)]
+        if differing:
+            parser.error(f"--resume {checkpoint} was saved by a run with {', '.join(differing)}: pass the options "
+                         "of that run")
+        if state["global_step"] >= args.steps:
+            parser.error(f"--resume {checkpoint} is at step {state['global_step']}, not before --steps {args.steps}")
+    model = finetune.load_model(parser, args)
+    if checkpoint is not None:
+        finetune.check_resume_fits(parser, args, checkpoint, model)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    num_layers = len(model.model.layers)
+    if args.num_stages > num_layers:
+        fewer = " or a schedule of one stage per rank (gpipe, 1f1b)" if args.num_stages > args.world_size else ""
+        parser.error(f"--schedule {args.schedule} on {args.world_size} ranks makes {args.num_stages} stages, but the "
+                     f"model has {num_layers} decoder layers: use fewer ranks{fewer}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    except (OSError, ValueError, TypeError) as exc:
+        parser.error(f"no tokenizer for {args.tokenizer or args.model} ({first_line(exc)}); pass --tokenizer")
+    positions = model.config.backbone_config.max_position_embeddings
+    if args.block_size > positions:
+        parser.error(f"--block-size {args.block_size} exceeds the model's {positions} positions")
+    texts, corpus = finetune.load_texts(parser, args)
+    blocks = finetune.token_blocks(texts, tokenizer, args.text_column, args.block_size)
+    if len(blocks) < args.batch_size:
+        parser.error(f"the dataset ({corpus}) gives {len(blocks)} blocks of {args.block_size} tokens, fewer than "
+                     f"--batch-size {args.batch_size}: add text or lower --block-size")
+    return out, checkpoint, state, model, tokenizer, blocks.with_format("torch")["input_ids"], corpus
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, args = parse_args(argv)
+    set_seed(args.seed)
+    out, checkpoint, state, model, tokenizer, blocks, corpus = check_args_before_work(parser, args)
+    was_tied = untie_lm_head(model)
+    pipelined = args.world_size > 1
+
+    if pipelined:
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleDualPipeV,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
+        owns_group = not dist.is_initialized()  # the tests call main() inside the group of their own launch
+        if owns_group:
+            rank, world_size, device = start_distributed()
         else:
-            schedule.step()
-        optimizer.step()
-        optimizer.zero_grad()
-        if is_last:
-            loss = torch.stack(losses).mean().item()
-            if not math.isfinite(loss):
-                sys.exit(f"step {step + 1}: the loss is {loss}; lower --lr")
-            print(f"step {step + 1}/{args.steps}: loss {loss:.4f}", flush=True)
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else (
+                torch.device("cpu"))
+        stage_indices = local_stage_indices(args.schedule, rank, world_size)
+        stage_modules = split_pipeline(model.train(), args.num_stages)
+        modules = [stage_modules[index].to(device) for index in stage_indices]
+        stages = [PipelineStage(module, index, args.num_stages, device)
+                  for module, index in zip(modules, stage_indices, strict=True)]
+        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
+                          "dualpipev": ScheduleDualPipeV}[args.schedule]
+        schedule = schedule_class(stages if len(stages) > 1 else stages[0], n_microbatches=args.microbatches,
+                                  loss_fn=next_token_loss)
+        holds_first, holds_last = 0 in stage_indices, args.num_stages - 1 in stage_indices
+    else:
+        rank, world_size = 0, 1
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        modules = [split_pipeline(model.train(), 1)[0].to(device)]  # the whole model, as one stage
+        stage_indices, holds_first, holds_last = [0], True, True
+    parameters = [parameter for module in modules for parameter in module.parameters()]
+    optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.steps)
+    start_step, log_history = 0, []
+    if checkpoint is not None:
+        optimizer.load_state_dict(torch.load(Path(checkpoint) / "optimizer.pt", mmap=True)["ranks"][rank])
+        scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt"))
+        set_rng_state(torch.load(Path(checkpoint) / f"rng_state_{rank}.pth"))
+        start_step, log_history = state["global_step"], state["log_history"]
 
-    # Stage state dicts use the full model's names: rank 0 gathers them and saves one folder.
-    local_state = {name: tensor.detach().cpu() for name, tensor in stage_module.state_dict().items()}
-    gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(world_size)] if is_first else None
-    dist.gather_object(local_state, gathered, dst=0)
-    if is_first:
-        state = {name: tensor for stage_state in gathered for name, tensor in stage_state.items()}
-        if was_tied and world_size > 1:  # lm_head was trained as the last stage's own copy
-            model.config.tie_word_embeddings = False
-            model.config.backbone_config.tie_word_embeddings = False
-        model.save_pretrained(args.output_dir, state_dict=state)
-        tokenizer.save_pretrained(args.output_dir)
-        print(f"saved {args.output_dir}")
-    dist.barrier()
-    dist.destroy_process_group()
+    if rank == 0:
+        if args.overwrite and out.is_dir():
+            removed, _ = finetune.clear_earlier_output(out, checkpoints=True)
+            print(f"--overwrite: deleted the earlier run's {', '.join(removed) or 'nothing'} from {out}")
+        how = (f"{args.num_stages} stages on {world_size} ranks, {args.schedule}" if pipelined
+               else "one process, no pipeline")
+        print(f"model: {args.model}: mHC, n = {model.config.hc_mult} streams, {len(model.model.layers)} layers"
+              f"{'; lm_head untied from the embedding' if was_tied else ''}; {how}")
+        print(f"data: {corpus}: {len(blocks)} blocks of {args.block_size} tokens; {args.batch_size} sequences per step "
+              f"in {args.microbatches} microbatches")
+        if checkpoint is not None:
+            print(f"resuming from {checkpoint} at step {start_step}")
+
+    def save(folder: Path, step: int, with_training_state: bool) -> None:
+        """Rank 0 writes the merged model (and, for a checkpoint, every rank's training state) to ``folder``."""
+        local = {
+            "model": {name: tensor.cpu() for module in modules for name, tensor in module.state_dict().items()},
+            "optimizer": cpu_copy(optimizer.state_dict()) if with_training_state else None,
+            "rng": rng_state(),
+        }
+        gathered = [local]
+        if pipelined:
+            gathered = [None] * world_size if rank == 0 else None
+            dist.gather_object(local, gathered, dst=0)
+        if rank == 0:
+            merged = {name: tensor for rank_state in gathered for name, tensor in rank_state["model"].items()}
+            model.save_pretrained(folder, state_dict=merged)
+            tokenizer.save_pretrained(folder)
+            if with_training_state:
+                torch.save({"ranks": [rank_state["optimizer"] for rank_state in gathered]}, folder / "optimizer.pt")
+                torch.save(scheduler.state_dict(), folder / "scheduler.pt")
+                for index, rank_state in enumerate(gathered):
+                    torch.save(rank_state["rng"], folder / f"rng_state_{index}.pth")
+            options = {name: getattr(args, name) for name in (*RUN_OPTIONS, "steps", "num_stages")}
+            trainer_state = {"global_step": step, "options": options, "log_history": log_history}
+            (folder / STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")  # last: the run's marker
+            print(f"saved {folder}", flush=True)
+        if pipelined:
+            dist.barrier()
+
+    for step in range(start_step, args.steps):
+        batch = blocks[batch_indices(step, args.batch_size, len(blocks), args.seed)].to(device)
+        losses: list[torch.Tensor] = []
+        if pipelined:
+            step_kwargs = {"target": batch, "losses": losses} if holds_last else {}
+            schedule.step(batch, **step_kwargs) if holds_first else schedule.step(**step_kwargs)
+        else:  # the same microbatches, each loss's gradient accumulated, then divided by their number
+            for microbatch in batch.tensor_split(args.microbatches):
+                loss = next_token_loss(modules[0](microbatch), microbatch)
+                loss.backward()
+                losses.append(loss.detach())
+            for parameter in parameters:
+                if parameter.grad is not None:
+                    parameter.grad.div_(args.microbatches)
+        loss_sum = torch.stack(losses).sum().double() if holds_last else torch.zeros((), dtype=torch.float64,
+                                                                                     device=device)
+        if pipelined:
+            dist.all_reduce(loss_sum)  # only the rank holding the last stage adds its losses
+        mean_loss = loss_sum.item() / args.microbatches
+        grad_norm = clip_global_grad_norm(parameters, args.max_grad_norm, pipelined)
+        learning_rate = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if not math.isfinite(mean_loss):  # every rank sees the same loss and stops
+            if rank == 0:
+                print(f"step {step + 1}: the loss is {mean_loss}; lower --lr", file=sys.stderr)
+            if pipelined and owns_group:
+                dist.destroy_process_group()
+            return 1
+        log_history.append({"step": step + 1, "loss": mean_loss, "lr": learning_rate, "grad_norm": grad_norm})
+        if rank == 0:
+            print(f"step {step + 1}/{args.steps}: loss {mean_loss:.6f}, grad norm {grad_norm:.4f}, "
+                  f"lr {learning_rate:.3e}", flush=True)
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            save(out / f"checkpoint-{step + 1}", step + 1, with_training_state=True)
+
+    save(out, args.steps, with_training_state=False)
+    if pipelined and owns_group:
+        dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .modeling_mhc import (
+    HC_MODULE_NAMES,
     MHCDecoderLayer,
     MHCForCausalLM,
     MHCHyperConnection,
@@ -130,7 +131,13 @@ class MHCPipelineStageModule(nn.Module):
     - first stage: ``input_ids [B, T]`` (int64) in; the embedding is copied into ``n`` streams;
     - other stages: ``streams [B, T, n, C]`` (model dtype) in;
     - last stage: ``logits [B, T, vocab]`` out (after ``hc_head``, the final norm and ``lm_head``);
-    - other stages: ``streams [B, T, n, C]`` out.
+    - other stages: ``streams [B, T, n, C]`` out, in ``boundary_dtype`` when it is set.
+
+    The streams are ``n`` times the residual model's hidden state, and so is what crosses each stage boundary (the
+    streams forward, their gradient backward). They are in the stage's compute dtype: the backbone weights' dtype,
+    or float32 for float32 weights under ``torch.autocast``. ``boundary_dtype=torch.bfloat16`` sends them (and
+    hence their gradient) in bf16 instead, half the bytes of float32; the receiving stage casts them back to its
+    :attr:`stream_dtype`. The streams are then rounded to bf16 once per boundary, as a bf16 model keeps them anyway.
 
     Parameters keep the names they have in the full model (``model.layers.3.attn_hc.fn``, ``lm_head.weight``), so
     ``stage.load_state_dict(full_state_dict, strict=False)`` fills a stage and stage state dicts merge into a full
@@ -147,9 +154,11 @@ class MHCPipelineStageModule(nn.Module):
         stage_index: int,
         num_stages: int,
         lm_head: nn.Linear | None,
+        boundary_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.config = model.config
+        self.boundary_dtype = boundary_dtype
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.is_first = stage_index == 0
@@ -157,6 +166,15 @@ class MHCPipelineStageModule(nn.Module):
         self.model = _StageTrunk(model.model, layer_indices, self.is_first, self.is_last)
         self.lm_head = lm_head
         self._attention_kinds = tuple(sorted({layer.attention_type for layer in self.model.layers.values()}))
+
+    @property
+    def stream_dtype(self) -> torch.dtype:
+        """The dtype the stage computes its streams in: that of its backbone weights (the float32 HC modules
+        aside)."""
+        layer = next(iter(self.model.layers.values()))
+        hc_parameters = {id(parameter) for name in HC_MODULE_NAMES if hasattr(layer, name)
+                         for parameter in getattr(layer, name).parameters()}
+        return next(parameter.dtype for parameter in layer.parameters() if id(parameter) not in hc_parameters)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """``input_ids [B, T]`` (first stage) or ``streams [B, T, n, C]`` in; ``streams [B, T, n, C]`` or, from the
@@ -173,7 +191,7 @@ class MHCPipelineStageModule(nn.Module):
                 raise ValueError(
                     f"Stage {self.stage_index} takes streams [B, T, n, C]; got a tensor of shape {tuple(inputs.shape)}."
                 )
-            streams = inputs
+            streams = inputs.to(self.stream_dtype)  # a no-op unless boundary_dtype rounded them
             embeddings = streams[:, :, 0]  # stands for the [B, T, C] hidden state: shape, dtype and device only
         position_ids = torch.arange(streams.shape[1], device=streams.device).unsqueeze(0)
         position_embeddings = rotary_embeddings(trunk.rotary_emb, trunk.rotary_per_layer_type, self._attention_kinds,
@@ -181,7 +199,7 @@ class MHCPipelineStageModule(nn.Module):
         masks = attention_masks(backbone, self._attention_kinds, embeddings, None, None, position_ids)
         streams, _, _ = run_decoder_layers(trunk.layers.values(), streams, masks, position_embeddings, position_ids)
         if not self.is_last:
-            return streams
+            return streams if self.boundary_dtype is None else streams.to(self.boundary_dtype)
         return scale_logits(backbone, self.lm_head(trunk.norm(trunk.hc_head(streams))))
 
 
@@ -202,7 +220,10 @@ def pipeline_layer_split(num_layers: int, num_stages: int) -> list[range]:
 
 
 def split_pipeline(
-    model: MHCForCausalLM, num_stages: int, untie_word_embeddings: bool = False
+    model: MHCForCausalLM,
+    num_stages: int,
+    untie_word_embeddings: bool = False,
+    boundary_dtype: torch.dtype | None = None,
 ) -> list[MHCPipelineStageModule]:
     """Cut ``model`` into ``num_stages`` consecutive stage modules for ``torch.distributed.pipelining``.
 
@@ -227,6 +248,9 @@ def split_pipeline(
         model: the causal LM to split, in training or eval mode.
         num_stages: number of stages, from 1 to the number of decoder layers.
         untie_word_embeddings: give the last stage a copy of a tied ``lm_head`` instead of raising.
+        boundary_dtype: the dtype the streams cross the stage boundaries in, e.g. ``torch.bfloat16`` for a float32
+            model trained under bf16 autocast: half the bytes of float32. Default: the stages' own stream dtype
+            (that of the backbone weights), uncast.
 
     Returns:
         ``num_stages`` :class:`MHCPipelineStageModule` s, in pipeline order.
@@ -249,6 +273,7 @@ def split_pipeline(
             stage_index=index,
             num_stages=num_stages,
             lm_head=lm_head if index == num_stages - 1 else None,
+            boundary_dtype=boundary_dtype,
         )
         for index, layer_indices in enumerate(splits)
     ]

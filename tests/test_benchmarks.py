@@ -2,7 +2,8 @@
 
 The scripts run in this process at their smallest sizes (a few seconds in all). ``bench_upcycle`` and
 ``bench_convert`` measure child processes (each imports torch) and a 2 GB checkpoint: there the measurement and the
-checkpoint writer are replaced by stand-ins, and the rest of the script runs as it is.
+checkpoint writer are replaced by stand-ins, and the rest of the script runs as it is. ``bench_pipeline`` starts its
+two gloo ranks (child processes) for real once: the second run of a test reuses the ranks' results of the first.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import pytest
 from conftest import import_script
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-SCRIPTS = ["bench_kernels", "bench_memory", "bench_training_step", "bench_upcycle", "bench_convert", "bench_kv_cache"]
+SCRIPTS = ["bench_kernels", "bench_memory", "bench_training_step", "bench_upcycle", "bench_convert", "bench_kv_cache",
+           "bench_pipeline"]
 TINY = {
     "bench_kernels": ["--n", "2", "--hidden", "16", "--tokens", "8", "--repeats", "1", "--device", "cpu"],
     "bench_memory": ["--n", "2", "--hidden", "128", "--layers", "1", "--tokens", "16"],
@@ -23,6 +25,8 @@ TINY = {
     "bench_upcycle": ["--repeats", "1"],
     "bench_convert": ["--repeats", "1"],
     "bench_kv_cache": ["--tiny", "--models", "dense", "--prompts", "1", "--new-tokens", "2", "--context", "16"],
+    "bench_pipeline": ["--hidden", "64", "--layers", "2", "--tokens", "8", "--batch", "2", "--microbatches", "2",
+                       "--repeats", "1", "--threads", "1"],
 }
 PROGRESS = {
     "bench_kernels": "repeat 1/1: ",
@@ -31,6 +35,7 @@ PROGRESS = {
     "bench_upcycle": "repeat 1/1: hf_mhc.upcycle",
     "bench_convert": "repeat 1/1: convert",
     "bench_kv_cache": "dense: cache 6/6: fp8: prompt 1/1",
+    "bench_pipeline": "repeat 1/1: residual Llama",
 }
 
 
@@ -61,6 +66,16 @@ def stand_ins(module, name: str, monkeypatch) -> None:
 
         monkeypatch.setattr(module, "write_synthetic_checkpoint", write_checkpoint)
         monkeypatch.setattr(module, "measure", measure)
+    if name == "bench_pipeline":
+        ranks_results = {}
+
+        def run_ranks_once(argv: list[str], threads: int) -> dict:
+            if not ranks_results:
+                ranks_results.update(run_ranks(argv, threads))
+            return ranks_results
+
+        run_ranks = module.run_ranks
+        monkeypatch.setattr(module, "run_ranks", run_ranks_once)
 
 
 def files_under(folder: Path) -> dict[str, int]:

@@ -1,13 +1,22 @@
-"""Pipeline-parallel worker (one process per rank, gloo on CPU): ``pipeline_worker.py SCHEDULE [SCHEDULE ...]``.
+"""Pipeline-parallel worker (one process per rank, gloo on CPU): ``pipeline_worker.py WORK SCHEDULE [SCHEDULE ...]``.
 
-For each SCHEDULE in turn, every rank builds the same model as a one-process reference, runs one training step of
-that schedule on its stage(s) of ``split_pipeline`` and checks the loss, the logits and the gradients of its
-parameters against the reference. No optimizer step is taken, so all three are float32 sums in another order
-(per microbatch, then accumulated), compared to ``FLOAT32_RTOL`` of each tensor's largest entry.
+For each SCHEDULE in turn, every rank
+
+1. builds the same model as a one-process reference, runs one training step of that schedule on its stage(s) of
+   ``split_pipeline`` and checks the loss, the logits and the gradients of its parameters against the reference. No
+   optimizer step is taken, so all three are float32 sums in another order (per microbatch, then accumulated),
+   compared to ``FLOAT32_RTOL`` of each tensor's largest entry;
+2. runs ``examples/pipeline_finetune.py`` (its ``main``, in this launch's process group) with the options in
+   ``WORK/finetune_args.json`` (which save a checkpoint at step 2), saving to ``WORK/SCHEDULE``.
+
+Then the first SCHEDULE's run is resumed from its ``checkpoint-2`` into ``WORK/resumed``. The test compares the
+saved folders with a one-process run of the example.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,9 +25,15 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests/, for conf
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from conftest import VOCAB, tiny_backbone_config  # noqa: E402
+from conftest import VOCAB, import_script, tiny_backbone_config  # noqa: E402
 from tolerances import FLOAT32_RTOL, assert_close_to_scale, gradient_atol  # noqa: E402
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
+from torch.distributed.pipelining import (  # noqa: E402
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 
 from hf_mhc import MHCConfig, MHCForCausalLM  # noqa: E402
 from hf_mhc.distributed import split_pipeline  # noqa: E402
@@ -26,6 +41,7 @@ from hf_mhc.distributed import split_pipeline  # noqa: E402
 NUM_LAYERS = 4
 N_MICROBATCHES = 4
 BATCH, LENGTH = 8, 10
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pipeline_finetune.py"
 
 
 def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -39,14 +55,15 @@ def build_schedule(name: str, rank: int, world_size: int, stage_modules: list) -
         schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
         stage = PipelineStage(stage_modules[rank], rank, world_size, torch.device("cpu"))
         return schedule_class(stage, N_MICROBATCHES, loss_fn=shifted_cross_entropy), [rank]
-    if name == "dualpipev":
-        from torch.distributed.pipelining.schedules import ScheduleDualPipeV
-
-        num_stages = 2 * world_size
-        local = [rank, num_stages - 1 - rank]  # V-shaped: rank 0 holds the first and the last stage
-        stages = [PipelineStage(stage_modules[i], i, num_stages, torch.device("cpu")) for i in local]
-        return ScheduleDualPipeV(stages, N_MICROBATCHES, loss_fn=shifted_cross_entropy), local
-    raise ValueError(f"unknown schedule {name!r}")
+    num_stages = 2 * world_size
+    if name == "interleaved1f1b":
+        local, schedule_class = [rank, rank + world_size], ScheduleInterleaved1F1B  # looped: stage s on rank s % W
+    elif name == "dualpipev":
+        local, schedule_class = [rank, num_stages - 1 - rank], ScheduleDualPipeV  # V-shaped: rank 0 first and last
+    else:
+        raise ValueError(f"unknown schedule {name!r}")
+    stages = [PipelineStage(stage_modules[i], i, num_stages, torch.device("cpu")) for i in local]
+    return schedule_class(stages, N_MICROBATCHES, loss_fn=shifted_cross_entropy), local
 
 
 def check_schedule(schedule_name: str, rank: int, world_size: int) -> None:
@@ -65,7 +82,7 @@ def check_schedule(schedule_name: str, rank: int, world_size: int) -> None:
     reference_loss = shifted_cross_entropy(reference_logits, input_ids)
     reference_loss.backward()
 
-    num_stages = 2 * world_size if schedule_name == "dualpipev" else world_size
+    num_stages = world_size if schedule_name in ("gpipe", "1f1b") else 2 * world_size
     stage_modules = split_pipeline(model, num_stages)
     schedule, local_stages = build_schedule(schedule_name, rank, world_size, stage_modules)
     holds_first, holds_last = 0 in local_stages, num_stages - 1 in local_stages
@@ -100,14 +117,30 @@ def check_schedule(schedule_name: str, rank: int, world_size: int) -> None:
               f"(at most {worst:.1%} of the tolerance)")
 
 
-def main(schedule_names: list[str]) -> None:
+def run_example(work: Path, output: str, *extra: str) -> None:
+    example = import_script(EXAMPLE)
+    argv = [*json.loads((work / "finetune_args.json").read_text()), "--output-dir", str(work / output), *extra]
+    assert example.main(argv) == 0
+
+
+def main(work: Path, schedule_names: list[str]) -> None:
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     for schedule_name in schedule_names:
         check_schedule(schedule_name, rank, world_size)
         dist.barrier()
+        run_example(work, schedule_name, "--schedule", schedule_name)
+        dist.barrier()
+    first = schedule_names[0]
+    if rank == 0:  # an interrupted run: only its checkpoint at step 2
+        shutil.copytree(work / first / "checkpoint-2", work / "resumed" / "checkpoint-2")
+    dist.barrier()
+    run_example(work, "resumed", "--schedule", first, "--resume")
+    dist.barrier()
+    if rank == 0:
+        print(f"{first}: resumed from checkpoint-2")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(Path(sys.argv[1]), sys.argv[2:])
