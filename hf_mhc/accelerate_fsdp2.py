@@ -6,18 +6,27 @@ Accelerate shards a model in ``fsdp2_prepare_model`` with ONE ``MixedPrecisionPo
 modules (``attn_hc``, ``ffn_hc``: :class:`~hf_mhc.MHCHyperConnection`; ``hc_head``: :class:`~hf_mhc.MHCHyperHead`)
 that policy all-gathers ``fn``, ``base``, ``scale`` (``hc_fn``, ``hc_base``, ``hc_scale``) in bf16, so the ``pre``,
 ``post`` and Sinkhorn ``comb`` maps come from bf16-rounded weights, and it reduces their gradients in bf16. Listing
-the HC classes in ``_no_split_modules`` gives them units of their own, but under that same policy. Neither Accelerate
-(up to 1.15) nor FSDP2 has a per-module policy hook, so importing ``hf_mhc`` calls :func:`install`, which wraps the
-one function Accelerate calls to shard (``accelerate.accelerator.fsdp2_prepare_model``): for a model holding HC
-modules, :func:`shard_hyper_connections` first makes each of them an FSDP2 unit with :func:`hc_mixed_precision`, on
-Accelerate's mesh with its resharding, offload and ignored-module settings; Accelerate's own function then shards the
-rest with the user's policy and skips modules that already are FSDP units. Any other model goes through unchanged.
+the HC classes in ``_no_split_modules`` gives them units of their own, but under that same policy.
+
+Neither Accelerate (up to 1.15) nor FSDP2 has a per-module policy hook, so :func:`install` (called by
+``import hf_mhc``) wraps two functions of Accelerate, and changes what they do only for a model holding HC modules,
+only while Accelerate prepares it for FSDP2:
+
+- ``accelerate.accelerator.fsdp2_prepare_model`` (what ``Accelerator.prepare`` calls) records the accelerator for
+  the duration of the call;
+- ``accelerate.utils.fsdp_utils.fsdp2_prepare_auto_wrap_policy``, which that function calls right before it shards
+  its units (after its upcast to float32 master weights and, with ``cpu_ram_efficient_loading``, after its move to
+  the ``meta`` device), first runs :func:`shard_hyper_connections`: every HC module becomes an FSDP2 unit with
+  :func:`hc_mixed_precision`, on Accelerate's mesh with its resharding and offload settings. Accelerate then shards
+  the rest with the user's policy and skips modules that already are FSDP units.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
+import re
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,7 +42,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["hc_mixed_precision", "install", "shard_hyper_connections"]
 
-_MARK = "_hf_mhc_keeps_hc_float32"  # set on the wrapper: install() is idempotent
+_MARK = "_hf_mhc_keeps_hc_float32"  # set on the wrappers: install() is idempotent
+# The accelerator whose fsdp2_prepare_model is running, if any.
+_PREPARING: contextvars.ContextVar[Accelerator | None] = contextvars.ContextVar("hf_mhc_fsdp2_prepare", default=None)
 
 
 def hc_mixed_precision() -> MixedPrecisionPolicy:
@@ -49,22 +60,32 @@ def _hc_modules(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if isinstance(module, (MHCHyperConnection, MHCHyperHead))]
 
 
+def _ignored_parameters(plugin, model: nn.Module) -> set[nn.Parameter]:
+    """The parameters of the plugin's ``ignored_modules`` (modules, or a regex on their names): FSDP leaves them be."""
+    ignored = plugin.ignored_modules
+    if ignored is None:
+        return set()
+    if isinstance(ignored, str):
+        pattern = re.compile(ignored)
+        ignored = [module for name, module in model.named_modules() if pattern.fullmatch(name)]
+    return {parameter for module in ignored for parameter in module.parameters()}
+
+
 def shard_hyper_connections(accelerator: Accelerator, model: nn.Module) -> int:
     """Make every HC module of ``model`` an FSDP2 unit with :func:`hc_mixed_precision`, as Accelerate would shard it
-    otherwise (its mesh, ``reshard_after_forward``, ``cpu_offload`` and ``ignored_modules``). HC parameters that are not
-    float32 (a model cast with ``model.to(torch.bfloat16)``) are upcast first: mHC keeps them float32 in any model
-    dtype. Returns the number of HC modules sharded."""
+    otherwise (its mesh, ``reshard_after_forward``, ``cpu_offload``; modules wholly in ``ignored_modules`` are left
+    be). HC parameters that are not float32 (a model cast with ``model.to(torch.bfloat16)``) are upcast first: mHC
+    keeps them float32 in any model dtype. Returns the number of HC modules sharded."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     modules = [module for module in _hc_modules(model) if not isinstance(module, FSDPModule)]
     if not modules:
         return 0
     plugin = accelerator.state.fsdp_plugin
-    if plugin.cpu_ram_efficient_loading:
-        raise ValueError(
-            "mHC models under Accelerate FSDP2 need fsdp_cpu_ram_efficient_loading: false (their float32 HC units are "
-            "sharded before Accelerate's meta-device reload); or shard with hf_mhc.distributed.apply_fsdp2."
-        )
+    ignored = _ignored_parameters(plugin, model)
+    modules = [module for module in modules if not set(module.parameters()) <= ignored]
+    if not modules:
+        return 0
     upcast = []
     for module in modules:
         for name, parameter in module.named_parameters():
@@ -80,22 +101,22 @@ def shard_hyper_connections(accelerator: Accelerator, model: nn.Module) -> int:
         "offload_policy": plugin.cpu_offload,
         "mp_policy": hc_mixed_precision(),
     }
-    if plugin.ignored_modules is not None:
-        from accelerate.utils.fsdp_utils import get_parameters_from_modules
-
-        kwargs["ignored_params"] = get_parameters_from_modules(plugin.ignored_modules, model, accelerator.device)
+    if ignored:
+        kwargs["ignored_params"] = ignored
     for module in modules:
         fully_shard(module, **kwargs)
     return len(modules)
 
 
 def install() -> None:
-    """Wrap ``accelerate.accelerator.fsdp2_prepare_model`` so that mHC models keep float32 HC units (see the module
-    docstring). Called by ``import hf_mhc``; calling it again changes nothing."""
+    """Wrap Accelerate's ``fsdp2_prepare_model`` and ``fsdp2_prepare_auto_wrap_policy`` so that mHC models keep
+    float32 HC units (see the module docstring). Called by ``import hf_mhc``; calling it again changes nothing."""
     import accelerate.accelerator
+    import accelerate.utils.fsdp_utils as fsdp_utils
 
     prepare = getattr(accelerate.accelerator, "fsdp2_prepare_model", None)
-    if prepare is None:
+    policy = getattr(fsdp_utils, "fsdp2_prepare_auto_wrap_policy", None)
+    if prepare is None or policy is None:
         logger.warning("This Accelerate has no fsdp2_prepare_model: under its FSDP2 the mHC maps follow its policy.")
         return
     if getattr(prepare, _MARK, False):
@@ -103,11 +124,20 @@ def install() -> None:
 
     @functools.wraps(prepare)
     def fsdp2_prepare_model(accelerator, model: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import FSDPModule
+        token = _PREPARING.set(accelerator)
+        try:
+            return prepare(accelerator, model)
+        finally:
+            _PREPARING.reset(token)
 
-        if not isinstance(getattr(model, "_orig_mod", model), FSDPModule):  # Accelerate leaves a sharded model be
+    @functools.wraps(policy)
+    def fsdp2_prepare_auto_wrap_policy(fsdp2_plugin, model: nn.Module):
+        accelerator = _PREPARING.get()
+        if accelerator is not None:  # inside fsdp2_prepare_model, right before it shards its own units
             shard_hyper_connections(accelerator, model)
-        return prepare(accelerator, model)
+        return policy(fsdp2_plugin, model)
 
-    setattr(fsdp2_prepare_model, _MARK, True)
+    for wrapper in (fsdp2_prepare_model, fsdp2_prepare_auto_wrap_policy):
+        setattr(wrapper, _MARK, True)
     accelerate.accelerator.fsdp2_prepare_model = fsdp2_prepare_model
+    fsdp_utils.fsdp2_prepare_auto_wrap_policy = fsdp2_prepare_auto_wrap_policy

@@ -63,10 +63,9 @@ def test_fsdp2_yaml_is_bf16_fsdp2_with_one_unit_per_decoder_layer():
     assert environment["ACCELERATE_MIXED_PRECISION"] == "bf16"
     assert environment["FSDP_AUTO_WRAP_POLICY"] == "TRANSFORMER_BASED_WRAP"
     assert environment["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "MHCDecoderLayer"
-    assert environment["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"  # see test_cpu_ram_efficient_loading_is_refused
 
 
-@pytest.mark.parametrize("scenario", ["accelerate", "trainer"])
+@pytest.mark.parametrize("scenario", ["accelerate", "cpu_ram_efficient_loading", "trainer"])
 def test_hc_parameters_stay_float32_shards_and_compute_in_float32(results, scenario):
     result = results[scenario]
     assert result["hc_shards"] == ["DTensor torch.float32"]
@@ -80,8 +79,9 @@ def test_trainer_takes_a_finite_step(results):
     assert math.isfinite(results["trainer"]["loss"])
 
 
-def test_hc_gradients_match_the_one_process_bf16_model(results):
-    result = results["accelerate"]
+@pytest.mark.parametrize("scenario", ["accelerate", "cpu_ram_efficient_loading"])
+def test_hc_gradients_match_the_one_process_bf16_model(results, scenario):
+    result = results[scenario]
     assert result["hc_gradient_error"] <= HC_GRADIENT_RTOL, result
 
 
@@ -96,21 +96,19 @@ def test_plain_accelerate_gathers_the_hc_parameters_in_bf16(results):
 
 def test_install_is_idempotent():
     import accelerate.accelerator
-    import accelerate.utils.fsdp_utils
+    import accelerate.utils.fsdp_utils as fsdp_utils
 
-    hooked = accelerate.accelerator.fsdp2_prepare_model
+    hooked = accelerate.accelerator.fsdp2_prepare_model, fsdp_utils.fsdp2_prepare_auto_wrap_policy
     install()
-    assert accelerate.accelerator.fsdp2_prepare_model is hooked
-    assert hooked.__wrapped__ is accelerate.utils.fsdp_utils.fsdp2_prepare_model
+    assert (accelerate.accelerator.fsdp2_prepare_model, fsdp_utils.fsdp2_prepare_auto_wrap_policy) == hooked
+    assert hooked[0].__wrapped__ is fsdp_utils.fsdp2_prepare_model
+    assert hooked[1].__wrapped__.__module__ == "accelerate.utils.fsdp_utils"
 
 
-def test_a_model_without_hyper_connections_is_left_to_accelerate():
+def test_only_hyper_connection_modules_are_sharded_here():
+    """A model without HC modules is left to Accelerate, and so are HC modules in the plugin's ``ignored_modules``."""
     assert shard_hyper_connections(accelerator=None, model=torch.nn.Linear(4, 4)) == 0
-
-
-def test_cpu_ram_efficient_loading_is_refused():
     model = MHCForCausalLM(MHCConfig(backbone_config=tiny_backbone_config("llama"), hc_mult=2))
-    plugin = SimpleNamespace(cpu_ram_efficient_loading=True)
+    plugin = SimpleNamespace(ignored_modules=r"model\.(layers\.\d+\.(attn|ffn)_hc|hc_head)")
     accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
-    with pytest.raises(ValueError, match="fsdp_cpu_ram_efficient_loading: false"):
-        shard_hyper_connections(accelerator, model)
+    assert shard_hyper_connections(accelerator, model) == 0

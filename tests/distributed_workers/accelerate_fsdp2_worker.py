@@ -5,15 +5,17 @@ processes (``ACCELERATE_USE_FSDP``, ``FSDP_*``, ``ACCELERATE_MIXED_PRECISION=bf1
 that config makes. Accelerate turns FSDP on only for accelerator devices (its state drops the plugin for CPU
 processes): :func:`enable_fsdp` sets the state as Accelerate does on GPUs, and from there ``accelerator.prepare`` (and
 ``Trainer``) run Accelerate's FSDP2 path unchanged: its upcast to float32 master weights, its units and its one bf16
-policy (``param_dtype = reduce_dtype = output_dtype = bfloat16``). Three scenarios, one launch:
+policy (``param_dtype = reduce_dtype = output_dtype = bfloat16``). Four scenarios, one launch:
 
 - plain: ``hf_mhc``'s hook taken out (Accelerate's own ``fsdp2_prepare_model``), to show what the hook changes;
 - accelerate: with the hook (what ``import hf_mhc`` installs);
+- cpu_ram_efficient_loading: the same with ``cpu_ram_efficient_loading`` (Accelerate shards on the ``meta`` device,
+  then broadcasts rank 0's weights into the shards);
 - trainer: ``Trainer`` with an FSDP2 ``fsdp_config`` and ``bf16=True``, one optimizer step.
 
 For each, rank 0 prints one ``RESULT {json}`` line: the type and dtype of the HC parameter shards, the dtypes seen
 inside the forward (HC parameters, the ``pre`` / ``post`` / ``comb`` maps, backbone weights), of the HC gradients, and
-(plain, accelerate) the largest and the smallest error of an HC gradient against the one-process reference, each as a
+(all but trainer) the largest and the smallest error of an HC gradient against the one-process reference, each as a
 fraction of that tensor's largest entry. The reference is the same bf16 model (float32 HC modules) in one process, run
 on each rank's rows in turn with the gradients averaged: the computation the bf16 policy asks for, emulated exactly.
 """
@@ -112,19 +114,20 @@ def reference_gradients(reference: MHCForCausalLM, batch: torch.Tensor, world_si
     return {name: gradient / world_size for name, gradient in total.items()}
 
 
-def fsdp2_accelerator() -> Accelerator:
+def fsdp2_accelerator(cpu_ram_efficient_loading: bool) -> Accelerator:
     """A fresh ``Accelerator`` with the FSDP2 plugin of the launch environment, as ``accelerate launch`` makes it."""
     AcceleratorState._reset_state()
     plugin = FullyShardedDataParallelPlugin()
+    plugin.cpu_ram_efficient_loading = cpu_ram_efficient_loading
     accelerator = Accelerator(fsdp_plugin=plugin)  # mixed precision from the environment too
     enable_fsdp(accelerator, plugin)
     return accelerator
 
 
-def accelerate_step(rank: int, world_size: int) -> dict:
+def accelerate_step(rank: int, world_size: int, cpu_ram_efficient_loading: bool = False) -> dict:
     model, reference = twin_models()
     names = hc_names(model)
-    accelerator = fsdp2_accelerator()
+    accelerator = fsdp2_accelerator(cpu_ram_efficient_loading)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
     recorder = ForwardDtypes(model)
@@ -220,6 +223,7 @@ def main(output_dir: str) -> None:
     finally:
         accelerate.accelerator.fsdp2_prepare_model = hooked
     results["accelerate"] = accelerate_step(rank, world_size)
+    results["cpu_ram_efficient_loading"] = accelerate_step(rank, world_size, cpu_ram_efficient_loading=True)
     AcceleratorState._reset_state()  # Trainer makes its own Accelerator
     results["trainer"] = trainer_step(Path(output_dir))
     if rank == 0:
