@@ -8,9 +8,9 @@ that policy all-gathers ``fn``, ``base``, ``scale`` (``hc_fn``, ``hc_base``, ``h
 ``post`` and Sinkhorn ``comb`` maps come from bf16-rounded weights, and it reduces their gradients in bf16. Listing
 the HC classes in ``_no_split_modules`` gives them units of their own, but under that same policy.
 
-Neither Accelerate (up to 1.15) nor FSDP2 has a per-module policy hook, so :func:`install` (called by
-``import hf_mhc``) wraps two functions of Accelerate, and changes what they do only for a model holding HC modules,
-only while Accelerate prepares it for FSDP2:
+Accelerate (checked up to 1.15) takes one policy for the whole model and FSDP2 has no public way to change a unit's
+policy after ``fully_shard``, so :func:`install` (called by ``import hf_mhc``) wraps two functions of Accelerate, and
+changes what they do only for a model holding HC modules, only while Accelerate prepares it for FSDP2:
 
 - ``accelerate.accelerator.fsdp2_prepare_model`` (what ``Accelerator.prepare`` calls) records the accelerator for
   the duration of the call;
@@ -117,7 +117,7 @@ def install() -> None:
     prepare = getattr(accelerate.accelerator, "fsdp2_prepare_model", None)
     policy = getattr(fsdp_utils, "fsdp2_prepare_auto_wrap_policy", None)
     if prepare is None or policy is None:
-        logger.warning("This Accelerate has no fsdp2_prepare_model: under its FSDP2 the mHC maps follow its policy.")
+        logger.warning("This Accelerate lacks fsdp2_prepare_model: under its FSDP2 the HC modules follow its policy.")
         return
     if getattr(prepare, _MARK, False):
         return
