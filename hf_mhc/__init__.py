@@ -1,7 +1,9 @@
 """hf-mhc: Manifold-Constrained Hyper-Connections (mHC) for Hugging Face Transformers.
 
 Importing this package registers ``MHCConfig`` (``model_type="mhc"``) and the mHC models with
-``AutoConfig``, ``AutoModel``, ``AutoModelForCausalLM`` and ``AutoModelForSequenceClassification``.
+``AutoConfig``, ``AutoModel``, ``AutoModelForCausalLM`` and ``AutoModelForSequenceClassification``, and makes
+Accelerate's FSDP2 (``accelerate launch``, ``Trainer``) keep the hyper-connection modules float32
+(:mod:`hf_mhc.accelerate_fsdp2`).
 """
 
 from transformers import (
@@ -11,6 +13,7 @@ from transformers import (
     AutoModelForSequenceClassification,
 )
 
+from .accelerate_fsdp2 import install as _install_accelerate_fsdp2
 from .configuration_mhc import SUPPORTED_BACKBONES, MHCConfig
 from .modeling_mhc import (
     MHCDecoderLayer,
@@ -26,6 +29,7 @@ AutoConfig.register(MHCConfig.model_type, MHCConfig, exist_ok=True)
 AutoModel.register(MHCConfig, MHCModel, exist_ok=True)
 AutoModelForCausalLM.register(MHCConfig, MHCForCausalLM, exist_ok=True)
 AutoModelForSequenceClassification.register(MHCConfig, MHCForSequenceClassification, exist_ok=True)
+_install_accelerate_fsdp2()  # Accelerate / Trainer FSDP2 keep the HC modules float32 (see hf_mhc.accelerate_fsdp2)
 
 from .conversion import upcycle  # noqa: E402  (needs the classes registered above)
 
