@@ -32,28 +32,19 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .distributed import hc_mixed_precision
 from .modeling_mhc import MHCHyperConnection, MHCHyperHead
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["hc_mixed_precision", "install", "shard_hyper_connections"]
+__all__ = ["install", "shard_hyper_connections"]
 
 _MARK = "_hf_mhc_keeps_hc_float32"  # set on the wrappers: install() is idempotent
 # The accelerator whose fsdp2_prepare_model is running, if any.
 _PREPARING: contextvars.ContextVar[Accelerator | None] = contextvars.ContextVar("hf_mhc_fsdp2_prepare", default=None)
-
-
-def hc_mixed_precision() -> MixedPrecisionPolicy:
-    """The FSDP2 policy of the HC units: gather and compute in the parameters' own dtype (float32), reduce gradients
-    in float32, leave the streams they receive and the maps they return uncast."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, output_dtype=None,
-                                cast_forward_inputs=False)
 
 
 def _hc_modules(model: nn.Module) -> list[nn.Module]:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["MHCPipelineStageModule", "apply_fsdp2", "split_pipeline"]
+__all__ = ["MHCPipelineStageModule", "apply_fsdp2", "hc_mixed_precision", "split_pipeline"]
 
 
 def _mesh_device_type(model: nn.Module) -> str:
@@ -46,6 +46,16 @@ def _mesh_device_type(model: nn.Module) -> str:
         return device.type
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     return accelerator.type if accelerator is not None else "cpu"
+
+
+def hc_mixed_precision() -> MixedPrecisionPolicy:
+    """The FSDP2 policy of the HC units (``apply_fsdp2`` and Accelerate's FSDP2 path, ``hf_mhc.accelerate_fsdp2``):
+    gather and compute in the parameters' own dtype (float32), reduce gradients in float32, leave the streams they
+    receive and the maps they return uncast."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, output_dtype=None,
+                                cast_forward_inputs=False)
 
 
 def apply_fsdp2(
@@ -90,7 +100,7 @@ def apply_fsdp2(
             raise RuntimeError("apply_fsdp2 needs a process group: call torch.distributed.init_process_group() first.")
         mesh = init_device_mesh(_mesh_device_type(model), (dist.get_world_size(),))
 
-    hc_policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    hc_policy = hc_mixed_precision()
     backbone_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     for module in model.modules():
         if isinstance(module, (MHCHyperConnection, MHCHyperHead)):
