@@ -3,8 +3,8 @@ tp_size=..., pp_size=..., fsdp_size=..., ep_size=...))``, two gloo ranks on CPU.
 
 mHC models take the backbone's plans (``MHCConfig.base_model_{tp,ep,fsdp,pp}_plan``) and keep their float32 HC modules
 out of the TP and EP plans (replicated); with pipeline parallelism the stages exchange the streams ``[B, T, n, C]``.
-All plans run in one launch of ``distributed_workers/native_worker.py`` (a module-scoped fixture), each test reads
-its line.
+Each plan is one job of ``distributed_workers/native_worker.py`` for the rank processes that
+``transformers_suite.RankPool`` starts once for the session (the parallelism mixins use them too).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import tiny_backbone_config
-from test_distributed import WORKERS, WORLD_SIZE, torchrun
+from distributed_workers import native_worker
+from transformers_suite import run_distributed
 
 from hf_mhc import MHCConfig, MHCForCausalLM
 
@@ -48,10 +49,8 @@ def test_streams_given_as_inputs_embeds_continue_the_model():
 
 
 @pytest.fixture(scope="module")
-def native_launch(tmp_path_factory) -> str:
-    """One launch of the worker: a 4-layer dense (Llama) and a 2-layer MoE (Qwen3-MoE) checkpoint, every plan."""
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
+def checkpoints(tmp_path_factory) -> tuple[str, str]:
+    """A 4-layer dense (Llama) and a 2-layer MoE (Qwen3-MoE) mHC checkpoint, with random (DeepSeek-V4) HC maps."""
     folder = tmp_path_factory.mktemp("native")
     torch.manual_seed(0)
     dense = tiny_backbone_config("llama", vocab_size=96, num_hidden_layers=4)
@@ -59,10 +58,10 @@ def native_launch(tmp_path_factory) -> str:
     for name, backbone in (("dense", dense), ("moe", moe)):
         MHCForCausalLM(MHCConfig(backbone_config=backbone, hc_mult=3, hc_init="deepseek_v4")).save_pretrained(
             folder / name)
-    return torchrun(WORKERS / "native_worker.py", str(folder / "dense"), str(folder / "moe"), cwd=folder)
+    return str(folder / "dense"), str(folder / "moe")
 
 
-@pytest.mark.parametrize("plan", ["tp_size=2", "pp_size=2", "fsdp_size=2", "fsdp_size=2, ep_size=2"])
-def test_distributed_config_matches_one_process(native_launch, plan):
-    for rank in range(WORLD_SIZE):
-        assert f"rank {rank}: {plan} matches (" in native_launch, native_launch[-3000:]
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+@pytest.mark.parametrize("plan", list(native_worker.PLANS))
+def test_distributed_config_matches_one_process(checkpoints, plan):
+    run_distributed(world_size=2)(native_worker.run_plan)(plan, *checkpoints)

@@ -1,7 +1,7 @@
-"""transformers' own distributed engine on mHC checkpoints (one process per rank, gloo on CPU):
-``native_worker.py DENSE_CHECKPOINT MOE_CHECKPOINT``. All plans run in one launch, each loaded with
-``from_pretrained(folder, distributed_config=DistributedConfig(...))`` and compared with the same folder loaded in one
-process:
+"""transformers' own distributed engine on mHC checkpoints, one job per plan for the rank processes of
+``tests/transformers_suite.py`` (gloo on CPU): ``run_plan(rank, plan, dense_checkpoint, moe_checkpoint)``. Each plan
+loads with ``from_pretrained(folder, distributed_config=DistributedConfig(...))`` and is compared with the same folder
+loaded in one process:
 
 - ``tp_size=2`` (dense): the attention and MLP projections are sharded ``DTensor``s, the float32 HC parameters are
   replicated; logits, loss and every gradient agree.
@@ -128,19 +128,16 @@ def check_fully_sharded(checkpoint: str, input_ids: torch.Tensor, **parallel) ->
     return f"logits {error:.1e}, {check_gradients(model, expected_grads)}"
 
 
-def main(dense: str, moe: str) -> None:
+PLANS = {
+    "tp_size=2": lambda dense, moe, input_ids: check_tensor_parallel(dense, input_ids),
+    "pp_size=2": lambda dense, moe, input_ids: check_pipeline_parallel(dense, input_ids),
+    "fsdp_size=2": lambda dense, moe, input_ids: check_fully_sharded(dense, input_ids),
+    "fsdp_size=2, ep_size=2": lambda dense, moe, input_ids: check_fully_sharded(moe, input_ids, ep_size=2),
+}
+
+
+def run_plan(rank: int, plan: str, dense: str, moe: str) -> None:
+    """Check ``plan`` (a key of ``PLANS``) on this rank of a 2-rank process group."""
     torch.manual_seed(0)
-    input_ids = torch.randint(3, 90, (BATCH, LENGTH))
-    checks = {
-        "tp_size=2": lambda: check_tensor_parallel(dense, input_ids),
-        "pp_size=2": lambda: check_pipeline_parallel(dense, input_ids),
-        "fsdp_size=2": lambda: check_fully_sharded(dense, input_ids),
-        "fsdp_size=2, ep_size=2": lambda: check_fully_sharded(moe, input_ids, ep_size=2),
-    }
-    for plan, check in checks.items():
-        summary = check()  # the first from_pretrained with a distributed_config starts the process group
-        print(f"rank {dist.get_rank()}: {plan} matches ({summary})", flush=True)
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:])
+    summary = PLANS[plan](dense, moe, torch.randint(3, 90, (BATCH, LENGTH)))
+    print(f"rank {rank}: {plan} matches ({summary})", flush=True)
