@@ -100,12 +100,25 @@ def attention_layer_types(backbone_config) -> list[str]:
 
 def attention_masks(backbone_config, kinds: Iterable[str], inputs_embeds: torch.Tensor,
                     attention_mask: torch.Tensor | None, cache: Cache | None,
-                    position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
-    """The backbone's causal (and sliding-window) masks, one per attention kind the layers use."""
+                    position_ids: torch.Tensor,
+                    cache_layers: dict[str, int] | None = None) -> dict[str, torch.Tensor | None]:
+    """The backbone's causal (and sliding-window) masks, one per attention kind the layers use. ``cache_layers``
+    names, per kind, the cache layer whose length sizes the mask (default: the cache's first layer of that kind)."""
     mask_kwargs = {"config": backbone_config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
                    "cache": cache, "position_ids": position_ids}
     build = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-    return {kind: build[kind](**mask_kwargs) for kind in kinds}
+    cache_layers = cache_layers or {}
+    return {kind: build[kind](**mask_kwargs, layer_idx=cache_layers.get(kind)) for kind in kinds}
+
+
+def first_layer_of_each_kind(layers: Iterable[nn.Module]) -> dict[str, int]:
+    """The index of the first layer of each attention kind that runs here: a pipeline stage's cache holds only its
+    own layers (the others are ``PipelineIdentityLayer``s), so those size its masks and count the tokens seen."""
+    first: dict[str, int] = {}
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, PipelineIdentityLayer):
+            first.setdefault(layer.attention_type, index)
+    return first
 
 
 def rotary_takes_layer_type(rotary: nn.Module) -> bool:
@@ -694,15 +707,17 @@ class MHCModel(MHCPreTrainedModel):
             streams = expand_to_streams(inputs_embeds, self.config.hc_mult)
         if use_cache and cache is None:
             cache = DynamicCache(config=backbone)
+        cache_layers = first_layer_of_each_kind(self.layers)
         if position_ids is None:
-            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            past_seen_tokens = cache.get_seq_length(min(cache_layers.values())) if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
         if isinstance(attention_mask, dict):
             masks = attention_mask
         else:
-            masks = attention_masks(backbone, self.attention_kinds, inputs_embeds, attention_mask, cache, position_ids)
+            masks = attention_masks(backbone, cache_layers, inputs_embeds, attention_mask, cache, position_ids,
+                                    cache_layers)
         position_embeddings = rotary_embeddings(self.rotary_emb, self.rotary_per_layer_type, self.attention_kinds,
                                                 inputs_embeds, position_ids)
         if output_router_logits is None:
