@@ -89,8 +89,7 @@ def check_pipeline_parallel(checkpoint: str, input_ids: torch.Tensor) -> str:
     assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
     rank, layers = dist.get_rank(), model.model.layers
     owned = [i for i, layer in enumerate(layers) if not isinstance(layer, PipelineIdentityLayer)]
-    half = len(layers) // 2
-    assert owned == list(range(half) if rank == 0 else range(half, len(layers))), owned
+    assert owned == list(range(*model._pp_stage.layer_range_for_rank(rank, len(layers)))), owned
     assert isinstance(model.model.hc_head, PipelineIdentityLayer) == (rank == 0)
     expected_parameters = dict(reference.named_parameters())
     for name, param in model.named_parameters():  # each stage loads its own tensors, the HC ones float32
