@@ -199,6 +199,7 @@ class RankPool:
                 process.kill()
                 process.join()
         self.ranks = []
+        self.results = self.context.Queue()  # nothing a stopped rank still sent reaches the next job
 
 
 _POOL = RankPool()
