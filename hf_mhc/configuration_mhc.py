@@ -260,6 +260,29 @@ class MHCConfig(PreTrainedConfig):
         which the plan does not name, stay replicated: each rank computes the maps on the full streams."""
         return getattr(self.backbone_config, "base_model_tp_plan", None)
 
+    @property
+    def base_model_ep_plan(self) -> dict[str, str] | None:
+        """The backbone's expert-parallel plan (MoE families): the experts are the backbone's own modules, under their
+        own names."""
+        return getattr(self.backbone_config, "base_model_ep_plan", None)
+
+    @property
+    def base_model_fsdp_plan(self) -> dict[str, str] | None:
+        """The backbone's FSDP2 plan. The HC modules of a layer are sharded with it (``layers.*``); transformers gives
+        float32 modules groups of their own in a bfloat16 or float16 model, the HC ones included."""
+        return getattr(self.backbone_config, "base_model_fsdp_plan", None)
+
+    @property
+    def base_model_pp_plan(self) -> dict[str, tuple[list[str], list[str]]] | None:
+        """The backbone's pipeline plan, with the head read-out between the layers and the final norm. The hidden
+        state that crosses a stage boundary is the streams ``[B, T, n, C]``; ``hc_head`` runs on the last stage."""
+        plan = getattr(self.backbone_config, "base_model_pp_plan", None)
+        if plan is None:
+            return None
+        head = {"hc_head": (["hidden_states"], ["hidden_states"])}
+        before_norm = {name: stage for name, stage in plan.items() if name != "norm"}
+        return {**before_norm, **head, **{name: stage for name, stage in plan.items() if name == "norm"}}
+
 
 def check_backbone_type(model_type: str | None, backbone_config: PreTrainedConfig | None = None,
                         misfit: str | None = None) -> None:

@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+from transformers.distributed.pipeline_parallel import PipelineIdentityLayer, PipelineStage, _bind_forward_kwargs
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GenericForSequenceClassification, GradientCheckpointingLayer
@@ -99,12 +100,25 @@ def attention_layer_types(backbone_config) -> list[str]:
 
 def attention_masks(backbone_config, kinds: Iterable[str], inputs_embeds: torch.Tensor,
                     attention_mask: torch.Tensor | None, cache: Cache | None,
-                    position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
-    """The backbone's causal (and sliding-window) masks, one per attention kind the layers use."""
+                    position_ids: torch.Tensor,
+                    cache_layers: dict[str, int] | None = None) -> dict[str, torch.Tensor | None]:
+    """The backbone's causal (and sliding-window) masks, one per attention kind the layers use. ``cache_layers``
+    names, per kind, the cache layer whose length sizes the mask (default: the cache's first layer of that kind)."""
     mask_kwargs = {"config": backbone_config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
                    "cache": cache, "position_ids": position_ids}
     build = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-    return {kind: build[kind](**mask_kwargs) for kind in kinds}
+    cache_layers = cache_layers or {}
+    return {kind: build[kind](**mask_kwargs, layer_idx=cache_layers.get(kind)) for kind in kinds}
+
+
+def first_layer_of_each_kind(layers: Iterable[nn.Module]) -> dict[str, int]:
+    """The index of the first layer of each attention kind that runs here: a pipeline stage's cache holds only its
+    own layers (the others are ``PipelineIdentityLayer``s), so those size its masks and count the tokens seen."""
+    first: dict[str, int] = {}
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, PipelineIdentityLayer):
+            first.setdefault(layer.attention_type, index)
+    return first
 
 
 def rotary_takes_layer_type(rotary: nn.Module) -> bool:
@@ -354,10 +368,13 @@ def run_decoder_layers(
     """The one layer loop (:class:`MHCModel` and the pipeline stages of ``hf_mhc.distributed``): ``streams [B, T, n,
     C]`` through ``layers``, each with the mask and rotary embedding of its attention kind. Returns the streams, the
     streams entering each layer and leaving the last (when ``output_hidden_states``) and the attention weights (when
-    ``output_attentions``)."""
+    ``output_attentions``). Layers that transformers' pipeline parallelism gave to another stage
+    (``PipelineIdentityLayer``) are skipped."""
     all_hidden_states = () if output_hidden_states else None
     all_attentions = () if output_attentions else None
     for layer in layers:
+        if isinstance(layer, PipelineIdentityLayer):
+            continue
         if output_hidden_states:
             all_hidden_states += (streams,)
         streams, attn_weights = layer(
@@ -453,6 +470,60 @@ def use_backbone_weight_conversions(backbone_model_type: str) -> None:
     )
 
 
+class MHCPipelineStage(PipelineStage):
+    """transformers' pipeline stage, knowing that ``hc_head`` (run before the final norm) is the last stage's."""
+
+    def find_rank_for_key(self, key: str, num_layers: int, base_model_prefix: str) -> int | None:
+        if key.startswith(f"{base_model_prefix}.hc_head."):
+            return self.pp_size - 1
+        return super().find_rank_for_key(key, num_layers, base_model_prefix)
+
+
+def pipeline_streams(model: PreTrainedModel, pp_mesh) -> None:
+    """Fit transformers' naive pipeline split (``apply_pipeline_parallelism``: the layers of other stages, and the
+    embedding, norm and ``lm_head`` where unused, replaced by ``PipelineIdentityLayer``) to mHC: ``hc_head`` is the
+    last stage's too, so a non-last stage's base model returns the streams ``[B, T, n, C]``, and ``forward`` sends and
+    receives those (:func:`pipeline_streams_forward`)."""
+    model._pp_stage = MHCPipelineStage(pp_mesh)
+    if not model._pp_stage.pp_is_last_stage:
+        model.base_model.hc_head = PipelineIdentityLayer()
+    original_forward = model.forward
+    signature = inspect.signature(original_forward)
+
+    @functools.wraps(original_forward)
+    def forward(*args, **kwargs):
+        return pipeline_streams_forward(model, original_forward, signature, *args, **kwargs)
+
+    model.forward = forward
+
+
+def pipeline_streams_forward(model: PreTrainedModel, original_forward: Callable, signature: inspect.Signature,
+                             *args, **kwargs) -> CausalLMOutputWithPast:
+    """transformers' ``pipeline_parallel_naive_forward`` with the streams as the hidden state: a non-first stage
+    receives ``[B, T, n, C]`` from the previous one and feeds it as ``inputs_embeds``, a non-last stage sends its base
+    model's streams on, and the logits ``[B, T, vocab]`` of the last stage are broadcast to every stage. Returns the
+    logits and this stage's cache (holding its own layers)."""
+    stage = model._pp_stage
+    device, dtype = model.device, model.dtype
+    forward_kwargs = _bind_forward_kwargs(signature, args, kwargs)
+    forward_kwargs.update(forward_kwargs.pop("kwargs", None) or {})
+    if not stage.pp_is_first_stage:
+        tokens = forward_kwargs.pop("input_ids", None)
+        batch, length = (tokens if tokens is not None else forward_kwargs["inputs_embeds"]).shape[:2]
+        shape = (batch, length, model.config.hc_mult, model.config.backbone_config.hidden_size)
+        forward_kwargs["inputs_embeds"] = stage.communicate("recv_forward", device=device, dtype=dtype, shape=shape)
+    if stage.pp_is_last_stage:
+        outputs = original_forward(**forward_kwargs)
+        logits, cache = outputs.logits, outputs.cache
+    else:
+        base_kwargs = {k: v for k, v in forward_kwargs.items() if k not in {"labels", "logits_to_keep"}}
+        outputs = model.base_model(**base_kwargs)  # hc_head and norm are identities here: the streams
+        stage.communicate("send_forward", device=device, dtype=dtype, tensor=outputs.last_hidden_state)
+        logits, cache = None, outputs.cache
+    logits = stage.broadcast_from_last(logits, dtype=dtype, device=device)
+    return CausalLMOutputWithPast(logits=logits, cache=cache)
+
+
 AUTO_MAP = {
     "AutoConfig": "configuration_mhc.MHCConfig",
     "AutoModel": "modeling_mhc.MHCModel",
@@ -484,6 +555,19 @@ class MHCPreTrainedModel(PreTrainedModel):
         self._keep_in_fp32_modules = set(base_model._keep_in_fp32_modules or ())
         self._keep_in_fp32_modules_strict = set(HC_MODULE_NAMES) | set(base_model._keep_in_fp32_modules_strict or ())
         self._sync_backbone_attn_implementation()
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """transformers' engine (``from_pretrained(..., distributed_config=DistributedConfig(...))``) with the plans
+        the config forwards from the backbone; with ``pp_size > 1`` the stages exchange the streams
+        (:func:`pipeline_streams`) instead of a ``[B, T, C]`` hidden state."""
+        pipelined = mesh_manager is not None and distributed_config.pp_size > 1
+        if pipelined:
+            model._pp_forward_wrapped = True  # the forward that transformers would wrap sends [B, T, C]
+        model = super().maybe_distribute_model(model, distributed_config, mesh_manager)
+        if pipelined:
+            pipeline_streams(model, mesh_manager.get_mesh("pp"))
+        return model
 
     def _sync_backbone_attn_implementation(self) -> None:
         # The backbone's attention and MoE experts modules read their own (nested) config; it follows the mHC
@@ -592,7 +676,11 @@ class MHCModel(MHCPreTrainedModel):
         output_router_logits: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast | MoeModelOutputWithPast:
-        r"""An MoE backbone returns ``MoeModelOutputWithPast``, whose ``router_logits`` (when
+        r"""``inputs_embeds`` is either embeddings ``[B, T, C]`` (scaled and copied into the streams as token
+        embeddings are) or the streams ``[B, T, n, C]`` entering the first layer, used as they are: what a pipeline
+        stage receives from the one before it.
+
+        An MoE backbone returns ``MoeModelOutputWithPast``, whose ``router_logits`` (when
         ``output_router_logits``, by default the backbone config's) hold one ``[B*T, experts]`` tensor per MoE
         layer."""
         if (input_ids is None) ^ (inputs_embeds is not None):
@@ -605,21 +693,31 @@ class MHCModel(MHCPreTrainedModel):
             output_attentions = self.config.output_attentions
         if self.gradient_checkpointing and self.training:
             use_cache = False
-        from_tokens = inputs_embeds is None
-        if from_tokens:
-            inputs_embeds = self.embed_tokens(input_ids)
-        inputs_embeds = scale_embeddings(backbone, inputs_embeds, from_tokens)
+        if inputs_embeds is not None and inputs_embeds.ndim == 4:
+            streams_shape = (self.config.hc_mult, backbone.hidden_size)
+            if tuple(inputs_embeds.shape[2:]) != streams_shape:
+                raise ValueError(f"4-D inputs_embeds are the streams [B, T, n, C] with (n, C) = {streams_shape}; got "
+                                 f"shape {tuple(inputs_embeds.shape)}. Pass [B, T, C] embeddings or such streams.")
+            streams, inputs_embeds = inputs_embeds, inputs_embeds[:, :, 0]  # one stream: shape, dtype, device
+        else:
+            from_tokens = inputs_embeds is None
+            if from_tokens:
+                inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = scale_embeddings(backbone, inputs_embeds, from_tokens)
+            streams = expand_to_streams(inputs_embeds, self.config.hc_mult)
         if use_cache and cache is None:
             cache = DynamicCache(config=backbone)
+        cache_layers = first_layer_of_each_kind(self.layers)
         if position_ids is None:
-            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+            past_seen_tokens = cache.get_seq_length(min(cache_layers.values(), default=0)) if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
         if isinstance(attention_mask, dict):
             masks = attention_mask
         else:
-            masks = attention_masks(backbone, self.attention_kinds, inputs_embeds, attention_mask, cache, position_ids)
+            masks = attention_masks(backbone, cache_layers, inputs_embeds, attention_mask, cache, position_ids,
+                                    cache_layers)
         position_embeddings = rotary_embeddings(self.rotary_emb, self.rotary_per_layer_type, self.attention_kinds,
                                                 inputs_embeds, position_ids)
         if output_router_logits is None:
@@ -627,7 +725,7 @@ class MHCModel(MHCPreTrainedModel):
         with recording_router_logits(self.layers, self.router, output_router_logits) as router_logits:
             streams, all_hidden_states, all_attentions = run_decoder_layers(
                 self.layers,
-                expand_to_streams(inputs_embeds, self.config.hc_mult),
+                streams,
                 masks,
                 position_embeddings,
                 position_ids,
@@ -654,6 +752,8 @@ class MHCForCausalLM(MHCPreTrainedModel, GenerationMixin):
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
 
     def __init__(self, config: MHCConfig):
         super().__init__(config)
