@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .distributed import hc_mixed_precision
-from .modeling_mhc import MHCHyperConnection, MHCHyperHead
+from .modeling_mhc import HC_MODULE_CLASSES, hc_mixed_precision
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -48,7 +47,7 @@ _PREPARING: contextvars.ContextVar[Accelerator | None] = contextvars.ContextVar(
 
 
 def _hc_modules(model: nn.Module) -> list[nn.Module]:
-    return [module for module in model.modules() if isinstance(module, (MHCHyperConnection, MHCHyperHead))]
+    return [module for module in model.modules() if isinstance(module, HC_MODULE_CLASSES)]
 
 
 def _ignored_parameters(plugin, model: nn.Module) -> set[nn.Parameter]:

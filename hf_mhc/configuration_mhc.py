@@ -268,9 +268,13 @@ class MHCConfig(PreTrainedConfig):
 
     @property
     def base_model_fsdp_plan(self) -> dict[str, str] | None:
-        """The backbone's FSDP2 plan. The HC modules of a layer are sharded with it (``layers.*``); transformers gives
-        float32 modules groups of their own in a bfloat16 or float16 model, the HC ones included."""
-        return getattr(self.backbone_config, "base_model_fsdp_plan", None)
+        """The backbone's FSDP2 plan, plus one unit per HC module (``layers.*.attn_hc``, ``layers.*.ffn_hc``,
+        ``hc_head``). The modeling code shards those itself, before transformers shards the rest, with a float32
+        policy (``modeling_mhc.shard_hyper_connections``): they stay float32 under ``fsdp_mixed_precision=True``."""
+        plan = getattr(self.backbone_config, "base_model_fsdp_plan", None)
+        if plan is None:
+            return None
+        return {**plan, **dict.fromkeys(("layers.*.attn_hc", "layers.*.ffn_hc", "hc_head"), "free_full_weight")}
 
     @property
     def base_model_pp_plan(self) -> dict[str, tuple[list[str], list[str]]] | None:

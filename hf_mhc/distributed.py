@@ -18,14 +18,15 @@ import torch
 from torch import nn
 
 from .modeling_mhc import (
+    HC_MODULE_CLASSES,
     HC_MODULE_NAMES,
     MHCDecoderLayer,
     MHCForCausalLM,
-    MHCHyperConnection,
     MHCHyperHead,
     MHCModel,
     attention_masks,
     expand_to_streams,
+    hc_mixed_precision,
     rotary_embeddings,
     run_decoder_layers,
     scale_embeddings,
@@ -46,16 +47,6 @@ def _mesh_device_type(model: nn.Module) -> str:
         return device.type
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     return accelerator.type if accelerator is not None else "cpu"
-
-
-def hc_mixed_precision() -> MixedPrecisionPolicy:
-    """The FSDP2 policy of the HC units (``apply_fsdp2`` and Accelerate's FSDP2 path, ``hf_mhc.accelerate_fsdp2``):
-    gather and compute in the parameters' own dtype (float32), reduce gradients in float32, leave the streams they
-    receive and the maps they return uncast."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, output_dtype=None,
-                                cast_forward_inputs=False)
 
 
 def apply_fsdp2(
@@ -103,7 +94,7 @@ def apply_fsdp2(
     hc_policy = hc_mixed_precision()
     backbone_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     for module in model.modules():
-        if isinstance(module, (MHCHyperConnection, MHCHyperHead)):
+        if isinstance(module, HC_MODULE_CLASSES):
             fully_shard(module, mesh=mesh, mp_policy=hc_policy, reshard_after_forward=reshard_after_forward)
     for layer in decoder_layers:
         fully_shard(layer, mesh=mesh, mp_policy=backbone_policy, reshard_after_forward=reshard_after_forward)

@@ -241,6 +241,19 @@ class MHCHyperHead(nn.Module):
         return mhc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, eps=self.hc_eps, norm_eps=self.norm_eps)
 
 
+HC_MODULE_CLASSES: tuple[type[nn.Module], ...] = (MHCHyperConnection, MHCHyperHead)
+
+
+def hc_mixed_precision():
+    """The FSDP2 ``MixedPrecisionPolicy`` of the HC units (``DistributedConfig(fsdp_size=...)``, ``apply_fsdp2`` and
+    Accelerate's FSDP2 path): gather and compute in the parameters' own dtype (float32), reduce gradients in float32,
+    leave the streams they receive and the maps they return uncast."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, output_dtype=None,
+                                cast_forward_inputs=False)
+
+
 class MHCDecoderLayer(GradientCheckpointingLayer):
     """The backbone family's decoder layer with its two residual adds replaced by mHC.
 
@@ -479,6 +492,21 @@ class MHCPipelineStage(PipelineStage):
         return super().find_rank_for_key(key, num_layers, base_model_prefix)
 
 
+def shard_hyper_connections(model: PreTrainedModel, distributed_config, mesh_manager) -> None:
+    """FSDP2 units of their own for the HC modules under ``DistributedConfig(fsdp_size=...)``, before transformers
+    shards the rest: gathered and computed in float32 and their gradients reduced in float32, also with
+    ``fsdp_mixed_precision=True`` (which gathers every unit of transformers' own in bf16). They shard on the mesh and
+    with the CPU offload transformers would use for them."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    names = ("dp_replicate", "fsdp") if distributed_config.dp_replicate_size > 1 else "fsdp"
+    options = {"offload_policy": CPUOffloadPolicy()} if distributed_config.fsdp_cpu_offload else {}
+    for module in model.modules():
+        if isinstance(module, HC_MODULE_CLASSES):
+            fully_shard(module, mesh=mesh_manager.get_mesh(names), mp_policy=hc_mixed_precision(),
+                        reshard_after_forward=True, **options)
+
+
 def pipeline_streams(model: PreTrainedModel, pp_mesh) -> None:
     """Fit transformers' naive pipeline split (``apply_pipeline_parallelism``: the layers of other stages, and the
     embedding, norm and ``lm_head`` where unused, replaced by ``PipelineIdentityLayer``) to mHC: ``hc_head`` is the
@@ -562,12 +590,20 @@ class MHCPreTrainedModel(PreTrainedModel):
         the config forwards from the backbone; with ``pp_size > 1`` the stages exchange the streams
         (:func:`pipeline_streams`) instead of a ``[B, T, C]`` hidden state."""
         pipelined = mesh_manager is not None and distributed_config.pp_size > 1
+        if mesh_manager is not None and distributed_config.dp_size > 1:
+            shard_hyper_connections(model, distributed_config, mesh_manager)
         if pipelined:
             model._pp_forward_wrapped = True  # the forward that transformers would wrap sends [B, T, C]
         model = super().maybe_distribute_model(model, distributed_config, mesh_manager)
         if pipelined:
             pipeline_streams(model, mesh_manager.get_mesh("pp"))
         return model
+
+    def _resolve_parallel_plans(self, distributed_config):
+        """transformers' plans, less the FSDP units of the HC modules, which :func:`shard_hyper_connections` made."""
+        tp_plan, ep_plan, fsdp_plan = super()._resolve_parallel_plans(distributed_config)
+        hc_units = {name for name, module in self.named_modules() if isinstance(module, HC_MODULE_CLASSES)}
+        return tp_plan, ep_plan, {name: style for name, style in fsdp_plan.items() if name not in hc_units}
 
     def _sync_backbone_attn_implementation(self) -> None:
         # The backbone's attention and MoE experts modules read their own (nested) config; it follows the mHC

@@ -24,14 +24,15 @@ def test_mhc_config_advertises_the_backbones_plans():
     config = MHCConfig(backbone_config=backbone)
     assert config.base_model_tp_plan == type(backbone).base_model_tp_plan
     assert config.base_model_ep_plan == type(backbone).base_model_ep_plan
-    assert config.base_model_fsdp_plan == type(backbone).base_model_fsdp_plan
+    hc_units = dict.fromkeys(("layers.*.attn_hc", "layers.*.ffn_hc", "hc_head"), "free_full_weight")
+    assert config.base_model_fsdp_plan == type(backbone).base_model_fsdp_plan | hc_units
     assert list(config.base_model_pp_plan) == ["embed_tokens", "layers", "hc_head", "norm"]
     model = MHCForCausalLM(config)
     assert model.tp_plan["lm_head"] == "colwise_gather_output"
     assert model.ep_plan == {f"model.{pattern}": style for pattern, style in type(backbone).base_model_ep_plan.items()}
     assert model.fsdp_plan["lm_head"] == "keep_full_weight" and model.pp_plan["lm_head"] == (["hidden_states"],
                                                                                             ["logits"])
-    for plan in (model.tp_plan, model.ep_plan, model.fsdp_plan):
+    for plan in (model.tp_plan, model.ep_plan):
         assert not any("hc" in pattern for pattern in plan)
 
 

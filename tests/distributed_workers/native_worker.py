@@ -8,6 +8,8 @@ loaded in one process:
 - ``pp_size=2`` (dense): each stage holds its layers (and ``hc_head`` the last), the streams ``[B, T, n, C]`` cross the
   stage boundary; logits agree and greedy ``generate`` gives the same tokens (also for a left-padded row).
 - ``fsdp_size=2`` (dense), each rank on its half of the batch: logits and every gradient, before any optimizer step.
+- ``fsdp_size=2, fsdp_mixed_precision=True`` (dense): the backbone's units gathered in bf16, the HC units in
+  float32 (their own FSDP units, ``shard_hyper_connections``); float32 HC gradients.
 - ``fsdp_size=2, ep_size=2`` (MoE): each rank holds half of the experts; logits and every gradient.
 
 Each rank prints ``rank R: PLAN matches (...)``: the largest logit error as a fraction of ``max|logits|``, the largest
@@ -130,10 +132,41 @@ def check_fully_sharded(checkpoint: str, input_ids: torch.Tensor, **parallel) ->
     return f"logits {error:.1e}, {check_gradients(model, expected_grads)}"
 
 
+def check_fully_sharded_bf16(checkpoint: str, input_ids: torch.Tensor) -> str:
+    """``fsdp_mixed_precision=True`` gathers transformers' units in bf16; the HC units are gathered, computed and
+    reduced in float32 all the same."""
+    reference, expected_logits, _ = reference_run(checkpoint, input_ids)
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, distributed_config=DistributedConfig(fsdp_size=2, fsdp_mixed_precision=True))
+    gathered = {}
+
+    def record(name, parameter_name):
+        def hook(module, args):  # after FSDP's own pre-forward hook: the gathered parameter
+            gathered.setdefault(name, getattr(module, parameter_name).dtype)
+        return hook
+
+    layer = model.model.layers[0]
+    for name, module, parameter_name in (("attn_hc", layer.attn_hc, "fn"), ("hc_head", model.model.hc_head, "hc_fn"),
+                                         ("q_proj", layer.self_attn.q_proj, "weight")):
+        module.register_forward_pre_hook(record(name, parameter_name))
+    rows = input_ids[dist.get_rank()::2]
+    logits = model(rows).logits
+    assert gathered == {"attn_hc": torch.float32, "hc_head": torch.float32, "q_proj": torch.bfloat16}, gathered
+    # bf16 weights and activations in the backbone: within a few bf16 steps of the float32 logits.
+    assert_close_to_scale(logits.float(), expected_logits[dist.get_rank()::2], rtol=2 ** -5, name="bf16 logits")
+    model(rows, labels=rows).loss.backward()
+    for name, param in model.named_parameters():
+        if is_hc(name):
+            assert isinstance(param.grad, DTensor) and param.grad.dtype == torch.float32, name
+    error = relative_error(logits, expected_logits[dist.get_rank()::2])
+    return f"HC units gathered in float32, the backbone's in bf16; logits {error:.1e}"
+
+
 PLANS = {
     "tp_size=2": lambda dense, moe, input_ids: check_tensor_parallel(dense, input_ids),
     "pp_size=2": lambda dense, moe, input_ids: check_pipeline_parallel(dense, input_ids),
     "fsdp_size=2": lambda dense, moe, input_ids: check_fully_sharded(dense, input_ids),
+    "fsdp_size=2, fsdp_mixed_precision": lambda dense, moe, input_ids: check_fully_sharded_bf16(dense, input_ids),
     "fsdp_size=2, ep_size=2": lambda dense, moe, input_ids: check_fully_sharded(moe, input_ids, ep_size=2),
 }
 
