@@ -370,3 +370,27 @@ def test_a_failed_kernels_import_warns_once_and_runs_the_reference(monkeypatch, 
             variant_model("identity", hc_implementation="torch")
     finally:
         modeling_mhc.resolve_hc_ops.cache_clear()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_identity_map_is_hy_v4s_hyper_connection(backend):
+    """transformers' ``HYV4HyperConnection`` (its ``hc_magnitude`` is ``post_magnitude``) and its decoder layer's merge
+    ``post[i] * y + X[i]``, with the same parameters."""
+    from transformers import HYV4Config
+    from transformers.models.hy_v4.modeling_hy_v4 import HYV4HyperConnection
+
+    n, hidden = 4, 16
+    config = HYV4Config(hidden_size=hidden, hc_mult=n, hc_magnitude=MAGNITUDE, hc_eps=HC_EPS, rms_norm_eps=NORM_EPS)
+    upstream = HYV4HyperConnection(config)
+    fn, base, scale = random_params(n, hidden, "identity")
+    with torch.no_grad():
+        upstream.fn.copy_(fn), upstream.base.copy_(base), upstream.scale.copy_(scale)
+    x = torch.randn(2, 5, n, hidden)
+    sublayer_output = torch.randn(2, 5, hidden)
+    expected_post, expected_collapsed = upstream(x)
+    expected = expected_post.unsqueeze(-1) * sublayer_output.unsqueeze(-2) + x
+    y, post, comb = mhc_coeffs_pre(x, fn, base, scale, backend=backend, **settings("identity"))
+    torch.testing.assert_close(post, expected_post, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(y, expected_collapsed, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mhc_post_res(x, sublayer_output, post, comb, backend=backend), expected,
+                               atol=1e-5, rtol=1e-5)
