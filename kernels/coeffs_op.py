@@ -50,21 +50,35 @@ def _map_offsets(N: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr):
     return vec, vec < N, 2 * N + row * N + col, comb_valid
 
 
+MAP_CODES = {"sinkhorn": 0, "unconstrained": 1, "identity": 2, "permutations": 3}  # the kernels' MAP constexpr
+
+
+@triton.jit
+def _tanh(v):
+    return 2.0 * tl.sigmoid(2.0 * v) - 1.0
+
+
 @triton.jit
 def _mhc_coeffs_fwd_kernel(
-    x_ptr, fn_ptr, base_ptr, scale_ptr, mix_ptr, rstd_ptr, pre_ptr, post_ptr, comb_ptr,
-    T, D, norm_eps, hc_eps,
+    x_ptr, fn_ptr, base_ptr, scale_ptr, perm_ptr, mix_ptr, rstd_ptr, pre_ptr, post_ptr, comb_ptr,
+    T, D, norm_eps, hc_eps, post_magnitude,
     N: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr, N_MIX: tl.constexpr, ITERS: tl.constexpr,
-    HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    HEAD: tl.constexpr, MAP: tl.constexpr, NF: tl.constexpr, N_PERMS: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
+    """``MAP`` (``MAP_CODES``): 0 mHC, 1 unconstrained, 2 identity (no comb columns), 3 permutations (``N_PERMS``
+    weight columns, padded to ``NF``, mixed with the permutation matrices ``perm_ptr [N_PERMS, N*N]``)."""
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     token_ok = tokens < T
     vec, vec_ok, comb_rows, comb_ok = _map_offsets(N, NV, NP)
+    perms = tl.arange(0, NF)
+    perm_ok = perms < N_PERMS
     k_range = tl.arange(0, BLOCK_K)
     sum_sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     acc_pre = tl.zeros((BLOCK_T, NV), dtype=tl.float32)
     acc_post = tl.zeros((BLOCK_T, NV), dtype=tl.float32)
     acc_comb = tl.zeros((BLOCK_T, NP * NP), dtype=tl.float32)
+    acc_weights = tl.zeros((BLOCK_T, NF), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         k = k0 + k_range
         k_ok = k < D
@@ -77,31 +91,65 @@ def _mhc_coeffs_fwd_kernel(
             w_post = tl.load(fn_ptr + (N + vec)[None, :] * D + k[:, None], mask=vec_ok[None, :] & k_ok[:, None],
                              other=0.0)
             acc_post += tl.dot(x, w_post.to(tl.float32), input_precision="ieee")
-            w_comb = tl.load(fn_ptr + comb_rows[None, :] * D + k[:, None], mask=comb_ok[None, :] & k_ok[:, None],
-                             other=0.0)
-            acc_comb += tl.dot(x, w_comb.to(tl.float32), input_precision="ieee")
+            if MAP <= 1:
+                w_comb = tl.load(fn_ptr + comb_rows[None, :] * D + k[:, None], mask=comb_ok[None, :] & k_ok[:, None],
+                                 other=0.0)
+                acc_comb += tl.dot(x, w_comb.to(tl.float32), input_precision="ieee")
+            if MAP == 3:
+                w_weights = tl.load(fn_ptr + (2 * N + perms)[None, :] * D + k[:, None],
+                                    mask=perm_ok[None, :] & k_ok[:, None], other=0.0)
+                acc_weights += tl.dot(x, w_weights.to(tl.float32), input_precision="ieee")
     rstd = 1.0 / tl.sqrt(sum_sq / D + norm_eps)
     tl.store(rstd_ptr + tokens, rstd, mask=token_ok)
 
     pre_mask = token_ok[:, None] & vec_ok[None, :]
     mix_pre = acc_pre * rstd[:, None]
     tl.store(mix_ptr + tokens[:, None] * N_MIX + vec[None, :], mix_pre, mask=pre_mask)
-    pre_z = mix_pre * tl.load(scale_ptr) + tl.load(base_ptr + vec, mask=vec_ok, other=0.0)[None, :]
-    tl.store(pre_ptr + tokens[:, None] * N + vec[None, :], tl.sigmoid(pre_z) + hc_eps, mask=pre_mask)
+    pre_b = tl.load(base_ptr + vec, mask=vec_ok, other=0.0)[None, :]
+    if MAP == 1 and not HEAD:
+        pre = tl.load(scale_ptr) * _tanh(mix_pre) + pre_b
+    else:
+        pre = tl.sigmoid(mix_pre * tl.load(scale_ptr) + pre_b) + hc_eps
+    tl.store(pre_ptr + tokens[:, None] * N + vec[None, :], pre, mask=pre_mask)
     if not HEAD:
         mix_post = acc_post * rstd[:, None]
         tl.store(mix_ptr + tokens[:, None] * N_MIX + (N + vec)[None, :], mix_post, mask=pre_mask)
-        post_z = mix_post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + vec, mask=vec_ok, other=0.0)[None, :]
-        tl.store(post_ptr + tokens[:, None] * N + vec[None, :], 2.0 * tl.sigmoid(post_z), mask=pre_mask)
+        post_b = tl.load(base_ptr + N + vec, mask=vec_ok, other=0.0)[None, :]
+        if MAP == 1:
+            post = tl.load(scale_ptr + 1) * _tanh(mix_post) + post_b
+        elif MAP == 2:
+            post = post_magnitude * tl.sigmoid(mix_post * tl.load(scale_ptr + 1) + post_b) + hc_eps
+        else:
+            post = 2.0 * tl.sigmoid(mix_post * tl.load(scale_ptr + 1) + post_b)
+        tl.store(post_ptr + tokens[:, None] * N + vec[None, :], post, mask=pre_mask)
 
         comb_mask = token_ok[:, None] & comb_ok[None, :]
-        mix_comb = acc_comb * rstd[:, None]
-        tl.store(mix_ptr + tokens[:, None] * N_MIX + comb_rows[None, :], mix_comb, mask=comb_mask)
-        logits = mix_comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + comb_rows, mask=comb_ok, other=0.0)[None, :]
-        comb = sinkhorn_tile_forward(tl.reshape(logits, (BLOCK_T, NP, NP)), tl.reshape(comb_ok, (1, NP, NP)), hc_eps,
-                                     ITERS)
         comb_offsets = (comb_rows - 2 * N)[None, :] + tokens[:, None] * (N * N)
-        tl.store(comb_ptr + comb_offsets, tl.reshape(comb, (BLOCK_T, NP * NP)), mask=comb_mask)
+        if MAP <= 1:
+            mix_comb = acc_comb * rstd[:, None]
+            tl.store(mix_ptr + tokens[:, None] * N_MIX + comb_rows[None, :], mix_comb, mask=comb_mask)
+            comb_b = tl.load(base_ptr + comb_rows, mask=comb_ok, other=0.0)[None, :]
+            if MAP == 0:
+                logits = mix_comb * tl.load(scale_ptr + 2) + comb_b
+                comb = tl.reshape(sinkhorn_tile_forward(tl.reshape(logits, (BLOCK_T, NP, NP)),
+                                                        tl.reshape(comb_ok, (1, NP, NP)), hc_eps, ITERS),
+                                  (BLOCK_T, NP * NP))
+            else:
+                comb = tl.load(scale_ptr + 2) * _tanh(mix_comb) + comb_b
+            tl.store(comb_ptr + comb_offsets, comb, mask=comb_mask)
+        if MAP == 3:
+            mix_weights = acc_weights * rstd[:, None]
+            tl.store(mix_ptr + tokens[:, None] * N_MIX + (2 * N + perms)[None, :], mix_weights,
+                     mask=token_ok[:, None] & perm_ok[None, :])
+            z = mix_weights * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + perms, mask=perm_ok, other=0.0)
+            z = tl.where(perm_ok[None, :], z, -1.0e30)
+            e = tl.where(perm_ok[None, :], tl.exp(z - tl.max(z, axis=1)[:, None]), 0.0)
+            weights = e / tl.sum(e, axis=1)[:, None]
+            pair = comb_rows - 2 * N  # row * N + col of the real entries
+            matrices = tl.load(perm_ptr + perms[:, None] * (N * N) + pair[None, :],
+                               mask=perm_ok[:, None] & comb_ok[None, :], other=0.0)  # [NF, NP*NP]
+            comb = tl.dot(weights, matrices, input_precision="ieee")
+            tl.store(comb_ptr + comb_offsets, comb, mask=comb_mask)
 
 
 @triton.jit
@@ -175,11 +223,13 @@ def _mhc_coeffs_bwd_streams_kernel(
 # --- launchers and torch implementations ------------------------------------------------------------------------
 
 
-def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head):
+def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head, residual_map="sinkhorn",
+                           post_magnitude=2.0):
     n, hidden = streams.shape[-2:]
     x = streams.reshape(-1, n * hidden).contiguous()
     tokens = x.shape[0]
-    n_mix = n if head else (n + 2) * n
+    n_mix = fn.shape[0]
+    n_perms = mhc_reference.map_sizes(n, residual_map)[2] if residual_map == "permutations" else 0
     lead = streams.shape[:-2]
 
     def per_token(*shape):  # allocated in the final shape: the results are not views (FSDP2 units, autograd)
@@ -187,12 +237,17 @@ def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head)
 
     mix, rstd, pre = per_token(n_mix), per_token(), per_token(n)
     post = x.new_empty(0, dtype=torch.float32) if head else per_token(n)
-    comb = x.new_empty(0, dtype=torch.float32) if head else per_token(n, n)
+    comb = x.new_empty(0, dtype=torch.float32) if head or residual_map == "identity" else per_token(n, n)
+    if n_perms:
+        perms = mhc_reference.permutation_matrices(n, x.device).flatten(1).contiguous()
+    else:
+        perms = x.new_empty(0, dtype=torch.float32)
     grid, block = launch_grid(tokens, COEFFS_BLOCK_T)
     _mhc_coeffs_fwd_kernel[grid](
-        x, fn.contiguous(), base.float().contiguous(), scale.float().contiguous(), mix, rstd, pre, post, comb,
-        tokens, n * hidden, norm_eps, eps,
+        x, fn.contiguous(), base.float().contiguous(), scale.float().contiguous(), perms, mix, rstd, pre, post, comb,
+        tokens, n * hidden, norm_eps, eps, float(post_magnitude),
         N=n, NV=_vector_width(n), NP=padded_streams(n), N_MIX=n_mix, ITERS=iters, HEAD=head,
+        MAP=MAP_CODES[residual_map], NF=max(16, triton.next_power_of_2(max(n_perms, 1))), N_PERMS=n_perms,
         BLOCK_T=block, BLOCK_K=_block_k(n_mix),
     )
     if head:
@@ -357,10 +412,10 @@ def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, back
 def coeffs_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, head, residual_map="sinkhorn",
                    post_magnitude=2.0):
     """``(pre, post, comb, mix, rstd)`` for a sublayer (``comb`` empty for the identity map), ``(pre_h, mix, rstd)``
-    for the head. mHC and the head run in one Triton kernel on ``backend="triton"``; the other residual maps take
-    the projection and the maps from torch (a matmul and per-token tensors of ``mix``'s size)."""
-    if backend == "triton" and (head or residual_map == "sinkhorn"):
-        return _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head)
+    for the head: one fused Triton kernel for every residual map on ``backend="triton"``."""
+    if backend == "triton":
+        return _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head, residual_map,
+                                      post_magnitude)
     mix, rstd = _mix_torch(streams, fn, norm_eps)
     if head:
         return mhc_reference.mhc_head_weights(mix, base, scale, eps=eps), mix, rstd
