@@ -154,12 +154,13 @@ def _mhc_coeffs_fwd_kernel(
 
 @triton.jit
 def _mhc_coeffs_bwd_maps_kernel(
-    mix_ptr, base_ptr, scale_ptr, grad_pre_ptr, grad_post_ptr, grad_comb_ptr, grad_z_ptr,
-    T, hc_eps,
+    mix_ptr, base_ptr, scale_ptr, perm_ptr, grad_pre_ptr, grad_post_ptr, grad_comb_ptr, grad_z_ptr,
+    T, hc_eps, post_magnitude,
     N: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr, N_MIX: tl.constexpr, ITERS: tl.constexpr,
-    HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    HEAD: tl.constexpr, MAP: tl.constexpr, NF: tl.constexpr, N_PERMS: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """``grad_z``: gradient w.r.t. the pre-activations ``z = mix * scale + base``, laid out like ``mix``."""
+    """``grad_z``: gradient w.r.t. the pre-activations ``z = mix * scale + base``, laid out like ``mix``, for the maps
+    that are functions of ``z`` (``MAP`` 0 mHC, 2 identity, 3 permutations; see ``_mhc_coeffs_fwd_kernel``)."""
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     token_ok = tokens < T
     vec, vec_ok, comb_rows, comb_ok = _map_offsets(N, NV, NP)
@@ -173,19 +174,39 @@ def _mhc_coeffs_bwd_maps_kernel(
         post_bias = tl.load(base_ptr + N + vec, mask=vec_ok, other=0.0)
         sig = tl.sigmoid(mix_post * tl.load(scale_ptr + 1) + post_bias[None, :])
         grad_post = tl.load(grad_post_ptr + tokens[:, None] * N + vec[None, :], mask=pre_mask, other=0.0)
-        tl.store(grad_z_ptr + tokens[:, None] * N_MIX + (N + vec)[None, :], 2.0 * grad_post * sig * (1.0 - sig),
-                 mask=pre_mask)
+        magnitude = post_magnitude if MAP == 2 else 2.0
+        tl.store(grad_z_ptr + tokens[:, None] * N_MIX + (N + vec)[None, :],
+                 magnitude * grad_post * sig * (1.0 - sig), mask=pre_mask)
 
         comb_mask = token_ok[:, None] & comb_ok[None, :]
-        mix_comb = tl.load(mix_ptr + tokens[:, None] * N_MIX + comb_rows[None, :], mask=comb_mask, other=0.0)
-        logits = mix_comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + comb_rows, mask=comb_ok, other=0.0)[None, :]
         comb_offsets = (comb_rows - 2 * N)[None, :] + tokens[:, None] * (N * N)
-        grad_comb = tl.load(grad_comb_ptr + comb_offsets, mask=comb_mask, other=0.0)
-        grad_logits = sinkhorn_tile_backward(tl.reshape(logits, (BLOCK_T, NP, NP)),
-                                             tl.reshape(grad_comb, (BLOCK_T, NP, NP)),
-                                             tl.reshape(comb_ok, (1, NP, NP)), hc_eps, ITERS)
-        tl.store(grad_z_ptr + tokens[:, None] * N_MIX + comb_rows[None, :],
-                 tl.reshape(grad_logits, (BLOCK_T, NP * NP)), mask=comb_mask)
+        if MAP == 0:
+            mix_comb = tl.load(mix_ptr + tokens[:, None] * N_MIX + comb_rows[None, :], mask=comb_mask, other=0.0)
+            comb_b = tl.load(base_ptr + comb_rows, mask=comb_ok, other=0.0)[None, :]
+            logits = mix_comb * tl.load(scale_ptr + 2) + comb_b
+            grad_comb = tl.load(grad_comb_ptr + comb_offsets, mask=comb_mask, other=0.0)
+            grad_logits = sinkhorn_tile_backward(tl.reshape(logits, (BLOCK_T, NP, NP)),
+                                                 tl.reshape(grad_comb, (BLOCK_T, NP, NP)),
+                                                 tl.reshape(comb_ok, (1, NP, NP)), hc_eps, ITERS)
+            tl.store(grad_z_ptr + tokens[:, None] * N_MIX + comb_rows[None, :],
+                     tl.reshape(grad_logits, (BLOCK_T, NP * NP)), mask=comb_mask)
+        if MAP == 3:  # comb = w @ P with w = softmax(z): d w = d comb @ P^T, then the softmax's backward
+            perms = tl.arange(0, NF)
+            perm_ok = perms < N_PERMS
+            weight_mask = token_ok[:, None] & perm_ok[None, :]
+            mix_weights = tl.load(mix_ptr + tokens[:, None] * N_MIX + (2 * N + perms)[None, :], mask=weight_mask,
+                                  other=0.0)
+            z = mix_weights * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + perms, mask=perm_ok, other=0.0)
+            z = tl.where(perm_ok[None, :], z, -1.0e30)
+            e = tl.where(perm_ok[None, :], tl.exp(z - tl.max(z, axis=1)[:, None]), 0.0)
+            weights = e / tl.sum(e, axis=1)[:, None]
+            pair = comb_rows - 2 * N
+            matrices_t = tl.load(perm_ptr + perms[None, :] * (N * N) + pair[:, None],
+                                 mask=perm_ok[None, :] & comb_ok[:, None], other=0.0)  # [NP*NP, NF]
+            grad_comb = tl.load(grad_comb_ptr + comb_offsets, mask=comb_mask, other=0.0)
+            grad_weights = tl.dot(grad_comb, matrices_t, input_precision="ieee")
+            grad_z = weights * (grad_weights - tl.sum(grad_weights * weights, axis=1)[:, None])
+            tl.store(grad_z_ptr + tokens[:, None] * N_MIX + (2 * N + perms)[None, :], grad_z, mask=weight_mask)
 
 
 @triton.jit
@@ -300,22 +321,7 @@ def _grad_z_torch(mix, base, scale, grads, iters, eps, head, residual_map="sinkh
     return torch.cat(grad_z, dim=-1)
 
 
-def _maps_backward_torch(mix, base, scale, grads, iters, eps, head, residual_map, post_magnitude):
-    """``(d mix, d base, d scale)`` from the gradients of the maps, in plain torch."""
-    n = grads[0].shape[-1]
-    sizes = _map_sizes(n, head, residual_map)
-    per_column = _per_column(scale, n, head, residual_map)
-    if residual_map == "unconstrained" and not head:  # map = scale * tanh(mix) + base
-        grad_map = torch.cat([grads[0].float(), grads[1].float(), grads[2].float().flatten(-2)], dim=-1)
-        tanh = torch.tanh(mix)
-        grad_scale = torch.stack([part.sum() for part in (grad_map * tanh).split(sizes, dim=-1)])
-        return grad_map * per_column * (1 - tanh.square()), grad_map.reshape(-1, mix.shape[-1]).sum(0), grad_scale
-    grad_z = _grad_z_torch(mix, base, scale, grads, iters, eps, head, residual_map, post_magnitude)
-    grad_scale = torch.stack([part.sum() for part in (grad_z * mix).split(sizes, dim=-1)])
-    return grad_z * per_column, grad_z.reshape(-1, mix.shape[-1]).sum(0), grad_scale
-
-
-def _grad_z_triton(mix, base, scale, grads, iters, eps, head):
+def _grad_z_triton(mix, base, scale, grads, iters, eps, head, residual_map="sinkhorn", post_magnitude=2.0):
     n_mix = mix.shape[-1]
     n = grads[0].shape[-1]
     mix2d = mix.reshape(-1, n_mix).contiguous()
@@ -324,12 +330,16 @@ def _grad_z_triton(mix, base, scale, grads, iters, eps, head):
     empty = torch.empty(0, device=mix.device, dtype=torch.float32)
     grad_pre = grads[0].reshape(tokens, n).float().contiguous()
     grad_post = empty if head else grads[1].reshape(tokens, n).float().contiguous()
-    grad_comb = empty if head else grads[2].reshape(tokens, n * n).float().contiguous()
+    has_comb = not head and residual_map != "identity"
+    grad_comb = grads[2].reshape(tokens, n * n).float().contiguous() if has_comb else empty
+    n_perms = n_mix - 2 * n if residual_map == "permutations" and not head else 0
+    perms = mhc_reference.permutation_matrices(n, mix.device).flatten(1).contiguous() if n_perms else empty
     grid, block = launch_grid(tokens, COEFFS_BLOCK_T)
     _mhc_coeffs_bwd_maps_kernel[grid](
-        mix2d, base.float().contiguous(), scale.float().contiguous(), grad_pre, grad_post, grad_comb, grad_z,
-        tokens, eps, N=n, NV=_vector_width(n), NP=padded_streams(n), N_MIX=n_mix, ITERS=iters, HEAD=head,
-        BLOCK_T=block,
+        mix2d, base.float().contiguous(), scale.float().contiguous(), perms, grad_pre, grad_post, grad_comb, grad_z,
+        tokens, eps, float(post_magnitude), N=n, NV=_vector_width(n), NP=padded_streams(n), N_MIX=n_mix,
+        ITERS=iters, HEAD=head, MAP=MAP_CODES[residual_map], NF=max(16, triton.next_power_of_2(max(n_perms, 1))),
+        N_PERMS=n_perms, BLOCK_T=block,
     )
     return grad_z.view(mix.shape)
 
@@ -388,18 +398,25 @@ def _streams_and_fn_grad_triton(streams, fn, grad_raw, correction, collapse):
 def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, backend, head, collapse=None,
                     residual_map="sinkhorn", post_magnitude=2.0):
     """``(d streams, d fn, d base, d scale)`` from the gradients of the maps (``pre[, post, comb]``). ``collapse =
-    (pre, d y)`` adds the ``pre`` collapse's own stream gradient ``pre[i] · d y`` in the same pass. The maps' part
-    runs in the Triton kernel for mHC (and the head), in torch for the other residual maps (per-token tensors of
-    ``mix``'s size); the stream-sized pass runs on ``backend`` for all."""
+    (pre, d y)`` adds the ``pre`` collapse's own stream gradient ``pre[i] · d y`` in the same pass.
+
+    Every map is ``act(mix) · scale + base`` followed by a function of it: ``grad_z`` is the gradient w.r.t. that
+    sum (``act`` is the identity and the function sigmoid / softmax / Sinkhorn, except for ``"unconstrained"``, where
+    ``act = tanh`` and nothing follows, so ``grad_z`` is the maps' own gradient)."""
     n, hidden = streams.shape[-2:]
-    if backend == "triton" and (head or residual_map == "sinkhorn"):
-        grad_z = _grad_z_triton(mix, base, scale, grads, iters, eps, head)
-        grad_mix = grad_z * _per_column(scale, n, head)
-        grad_base = grad_z.reshape(-1, mix.shape[-1]).sum(0)
-        grad_scale = torch.stack([part.sum() for part in (grad_z * mix).split(_map_sizes(n, head), dim=-1)])
+    sizes = _map_sizes(n, head, residual_map)
+    per_column = _per_column(scale, n, head, residual_map)
+    if residual_map == "unconstrained" and not head:
+        grad_z = torch.cat([grads[0].float(), grads[1].float(), grads[2].float().flatten(-2)], dim=-1)
+        act = torch.tanh(mix)
+        grad_mix = grad_z * per_column * (1 - act.square())
     else:
-        grad_mix, grad_base, grad_scale = _maps_backward_torch(mix, base, scale, grads, iters, eps, head,
-                                                               residual_map, post_magnitude)
+        grad_z = (_grad_z_triton if backend == "triton" else _grad_z_torch)(mix, base, scale, grads, iters, eps, head,
+                                                                            residual_map, post_magnitude)
+        act = mix
+        grad_mix = grad_z * per_column
+    grad_base = grad_z.reshape(-1, mix.shape[-1]).sum(0)
+    grad_scale = torch.stack([part.sum() for part in (grad_z * act).split(sizes, dim=-1)])
     grad_raw = grad_mix * rstd.unsqueeze(-1)
     correction = -(rstd.square() / (n * hidden)) * (grad_mix * mix).sum(-1)
     grad_streams, grad_fn = (_streams_and_fn_grad_triton if backend == "triton" else _streams_and_fn_grad_torch)(
