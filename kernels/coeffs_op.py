@@ -1,11 +1,15 @@
 """Fused mHC coefficients: ``streams -> pre, post, comb`` for a sublayer, ``streams -> pre_h`` for the head.
 
 Forward, one pass over the streams per token block: ``flat @ fn.T`` and the sum of squares together (the reordered
-RMSNorm: ``RMSNorm(flat) @ fn.T == (flat @ fn.T) * rstd``), then sigmoid / 2·sigmoid / softmax +
-Sinkhorn per token in registers, in float32. Saved for backward: the streams (shared with the other ops of the site),
-``mix = RMSNorm(flat) @ fn.T`` (``(n+2)·n`` floats per token) and ``rstd`` (one float per token).
+RMSNorm: ``RMSNorm(flat) @ fn.T == (flat @ fn.T) * rstd``), then the maps per token in registers, in float32:
+sigmoid / 2·sigmoid / softmax + Sinkhorn for mHC, or another residual map (``residual_map``: scaled tanh for
+``"unconstrained"``, no comb for ``"identity"``, a softmax over the ``n!`` permutation matrices for
+``"permutations"``; see ``hf_mhc.mhc_reference.mhc_maps``). Saved for backward: the streams (shared with the other
+ops of the site), ``mix = RMSNorm(flat) @ fn.T`` (``(n+2)·n`` floats per token for mHC) and ``rstd`` (one float per
+token).
 
-Backward: the maps' gradient w.r.t. ``mix`` (Sinkhorn recomputed, see ``sinkhorn_op``), then
+Backward: the maps' gradient w.r.t. ``mix`` (Sinkhorn recomputed, see ``sinkhorn_op``; in torch for
+``"unconstrained"``, whose backward is elementwise), then
 ``d flat = (d mix · rstd) @ fn - (rstd² / D) · <d mix, mix> · flat`` and ``d fn = (d mix · rstd)^T @ flat``.
 The reference for all of it is ``hf_mhc.mhc_reference.mhc_coeffs`` / ``mhc_head``. The head's weights are only used
 through ``coeffs_pre_op`` (coefficients and collapse in one op).
