@@ -427,3 +427,46 @@ def test_convert_refuses_permutations_of_five_streams_in_one_line(tmp_path, caps
                              "permutations")
     assert_one_line_error(status, err, "hc_residual_map='permutations' supports hc_mult <= 4")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("residual_map", VARIANTS)
+def test_custom_op_registration_for_each_map(residual_map):
+    """``torch.library.opcheck``: schemas, fake (meta) results and autograd registrations, with each map's shapes,
+    also for the identity merge's empty ``comb``."""
+    from hf_mhc.kernels.coeffs_op import mhc_coeffs_fwd_op
+    from hf_mhc.kernels.coeffs_pre_op import mhc_coeffs_pre_fwd_op
+    from hf_mhc.kernels.post_res_op import mhc_post_res_fwd_op
+
+    n, hidden = 3, 8
+    streams = torch.randn(2, 3, n, hidden, requires_grad=True)
+    params = tuple(p.requires_grad_(True) for p in random_params(n, hidden, residual_map))
+    magnitude = MAGNITUDE if residual_map == "identity" else 2.0
+    for op in (mhc_coeffs_fwd_op, mhc_coeffs_pre_fwd_op):
+        torch.library.opcheck(op, (streams, *params, 3, HC_EPS, NORM_EPS, "torch", residual_map, magnitude))
+    if residual_map == "identity":
+        torch.library.opcheck(mhc_post_res_fwd_op, (streams, torch.randn(2, 3, hidden, requires_grad=True),
+                                                    torch.rand(2, 3, n, requires_grad=True), torch.zeros(0), "torch",
+                                                    True))
+
+
+@pytest.mark.parametrize("residual_map", ["identity", "permutations"])
+def test_model_with_a_residual_map_compiles_with_fullgraph(residual_map):
+    torch.set_default_device("cpu")
+    model = variant_model(residual_map)
+    ids = torch.randint(0, VOCAB, (1, 6))
+    expected = model(ids).logits
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("residual_map", ["identity", "unconstrained"])
+def test_selective_recomputation_gives_the_same_gradients(residual_map):
+    torch.set_default_device("cpu")
+    model = variant_model(residual_map)
+    ids = torch.randint(0, VOCAB, (2, 6))
+    logits, grads = logits_and_grads(model, ids)
+    model.config.hc_recompute = True
+    recomputed_logits, recomputed = logits_and_grads(model, ids)
+    torch.testing.assert_close(recomputed_logits, logits, atol=0, rtol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(recomputed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
