@@ -150,6 +150,8 @@ class MHCConfig(PreTrainedConfig):
             kernels (CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1`), `"torch"` the memory-light torch
             kernels, `"auto"` Triton for CUDA tensors and torch otherwise, `"reference"` the plain formula of
             `mhc_reference.py` (what a checkpoint loaded without the plugin runs). The numbers agree to rounding.
+            A choice of the machine, not of the model: `config.json` does not keep it (a checkpoint saved with
+            `"triton"` still loads where only the reference formula runs).
         hc_recompute (`bool`, defaults to `False`):
             selective recomputation (mHC paper §4.3.2): store, per decoder layer, only the streams entering it and
             the two sublayer outputs; the coefficients, the collapsed sublayer inputs and the streams between the two
@@ -202,6 +204,13 @@ class MHCConfig(PreTrainedConfig):
         else:
             self.backbone_config.tie_word_embeddings = bool(self.tie_word_embeddings)
             self.tie_word_embeddings = bool(self.tie_word_embeddings)
+
+    def to_dict(self) -> dict:
+        """The config as saved in ``config.json``, without ``hc_implementation`` (a runtime choice, as
+        ``attn_implementation`` is)."""
+        output = super().to_dict()
+        output.pop("hc_implementation", None)
+        return output
 
     def _backbone_fields(self) -> set[str]:
         """The settings of the backbone's config class that the mHC config does not have itself."""
