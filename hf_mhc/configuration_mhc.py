@@ -110,7 +110,8 @@ class MHCConfig(PreTrainedConfig):
             are built from it by the family's own transformers classes; `BACKBONE_WIRINGS` says how its sublayers
             meet the residual stream.
         hc_mult (`int`, defaults to 4): number of residual streams `n`, 1 to 8.
-        hc_sinkhorn_iters (`int`, defaults to 20): Sinkhorn-Knopp iterations for `comb`, 1 to 100.
+        hc_sinkhorn_iters (`int`, defaults to 20): Sinkhorn-Knopp iterations for `comb` (the `"sinkhorn"` residual
+            map; the others do not iterate), 1 to 100.
             DeepSeek-V4 uses 20. Each iteration is two normalisations per token per site in forward, replayed in
             backward; the Triton backward recomputes every earlier iterate at each step, so its work grows with
             `iters²` (about 25x the default's at 100). Above 100 the extra accuracy does not pay: measured in float32 on
@@ -132,7 +133,9 @@ class MHCConfig(PreTrainedConfig):
             identical streams would receive identical gradients forever.
         hc_init_comb_diag (`float`, defaults to 2.0):
             `c` in `comb_b = c·I`. 2.0 puts 0.71 of each stream's weight on itself for n = 4 (close to the identity
-            residual) while the softmax stays far from saturation, so `comb` keeps a useful gradient.
+            residual) while the softmax stays far from saturation, so `comb` keeps a useful gradient. The
+            `"permutations"` map starts from the same `comb` (its identity weight is chosen so); `"unconstrained"` and
+            `"identity"` start from `comb = I`.
         hc_init_dynamic_scale (`float`, defaults to 0.01):
             initial `scale` of the dynamic (token-dependent) part. Non-zero so that `fn = 0` gets a gradient;
             small, as in the mHC paper, so that early updates of `fn` perturb the maps gently.
