@@ -178,6 +178,8 @@ def _setup_plan(parser: argparse.ArgumentParser) -> None:
                         help="backbone weights, KV cache and streams (default bfloat16; HC weights stay float32)")
     parser.add_argument("--hc-mult", type=int, metavar="N",
                         help="plan the mHC model with N streams (default: the config's own; a residual config as is)")
+    parser.add_argument("--residual-map", choices=list(RESIDUAL_MAPS),
+                        help="hc_residual_map of the planned mHC model (default: the config's own, else sinkhorn)")
     parser.add_argument("--tp", type=int, default=1, metavar="K", help="tensor-parallel degree (default 1)")
     parser.add_argument("--pp", type=int, default=1, metavar="K", help="pipeline stages (default 1)")
     parser.add_argument("--fsdp", type=int, default=1, metavar="K", help="FSDP shards per stage (default 1)")
@@ -203,7 +205,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     if error:
         return _fail("plan", error)
     plan = plan_memory(args.config, tokens=args.tokens, batch=args.batch, dtype=args.dtype, hc_mult=args.hc_mult,
-                       tp=args.tp, pp=args.pp, fsdp=args.fsdp, microbatches=args.microbatches)
+                       residual_map=args.residual_map, tp=args.tp, pp=args.pp, fsdp=args.fsdp,
+                       microbatches=args.microbatches)
     print(format_plan(plan))
     if args.json:
         path = Path(args.json).expanduser()

@@ -55,6 +55,7 @@ class MemoryPlan:
 
     model_type: str
     hc_mult: int | None  # None: the residual model itself
+    residual_map: str | None  # hc_residual_map of the mHC model (None for the residual model)
     hidden_size: int
     num_layers: int
     dtype: str
@@ -118,7 +119,7 @@ def _cached_tokens(layer_type: str, kwargs: dict, tokens: int) -> tuple[int, int
     raise ValueError(f"cannot plan a KV cache for layer type {layer_type!r}")
 
 
-def _meta_model(backbone: PreTrainedConfig, hc_mult: int | None) -> torch.nn.Module:
+def _meta_model(backbone: PreTrainedConfig, hc_mult: int | None, residual_map: str) -> torch.nn.Module:
     if hc_mult is None:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(backbone)
@@ -126,7 +127,7 @@ def _meta_model(backbone: PreTrainedConfig, hc_mult: int | None) -> torch.nn.Mod
     from .modeling_mhc import MHCForCausalLM
 
     with torch.device("meta"):
-        return MHCForCausalLM(mhc_config_for(backbone, hc_mult=hc_mult))
+        return MHCForCausalLM(mhc_config_for(backbone, hc_mult=hc_mult, hc_residual_map=residual_map))
 
 
 def _is_hc(name: str) -> bool:
@@ -163,6 +164,7 @@ def plan_memory(
     batch: int = 1,
     dtype: str = "bfloat16",
     hc_mult: int | None = None,
+    residual_map: str | None = None,
     tp: int = 1,
     pp: int = 1,
     fsdp: int = 1,
@@ -171,7 +173,9 @@ def plan_memory(
     """The :class:`MemoryPlan` of ``config``'s model for ``batch`` sequences of ``tokens`` tokens in ``dtype``.
 
     ``hc_mult``: the streams of the mHC model planned; ``None`` keeps the config's own (an :class:`MHCConfig`'s
-    ``hc_mult``, or the residual model itself for a backbone config). Raises ``ValueError`` on bad input.
+    ``hc_mult``, or the residual model itself for a backbone config). ``residual_map``: its ``hc_residual_map``
+    (the HC parameter shapes differ: ``identity`` has no ``comb`` rows, ``permutations`` ``n!`` of them); ``None``
+    keeps an :class:`MHCConfig`'s own, else ``"sinkhorn"``. Raises ``ValueError`` on bad input.
     """
     for name, value in (("tokens", tokens), ("batch", batch), ("tp", tp), ("pp", pp), ("fsdp", fsdp),
                         ("microbatches", microbatches)):
@@ -185,11 +189,13 @@ def plan_memory(
     if isinstance(config, MHCConfig):
         backbone = config.backbone_config
         hc_mult = config.hc_mult if hc_mult is None else hc_mult
+        residual_map = config.hc_residual_map if residual_map is None else residual_map
     else:
         backbone = config
     check_backbone_type(backbone.model_type, backbone)
-    if hc_mult is not None:
-        MHCConfig(backbone_config=backbone.to_dict(), hc_mult=hc_mult)  # validates hc_mult
+    residual_map = residual_map or "sinkhorn"
+    if hc_mult is not None:  # validates hc_mult and the map (permutations: hc_mult <= 4)
+        MHCConfig(backbone_config=backbone.to_dict(), hc_mult=hc_mult, hc_residual_map=residual_map)
     layers = backbone.num_hidden_layers
     if pp > layers:
         raise ValueError(f"pp {pp} exceeds the {layers} layers")
@@ -212,7 +218,7 @@ def plan_memory(
     )
 
     # Parameters
-    model = _meta_model(backbone, hc_mult)
+    model = _meta_model(backbone, hc_mult, residual_map)
     tp_plan = getattr(backbone, "base_model_tp_plan", None) or {}
     stage_of_layer = []
     for stage in range(pp):
@@ -258,7 +264,8 @@ def plan_memory(
     boundary = (batch // microbatches) * tokens * n * hidden * element
 
     return MemoryPlan(
-        model_type=backbone.model_type, hc_mult=hc_mult, hidden_size=hidden, num_layers=layers, dtype=dtype,
+        model_type=backbone.model_type, hc_mult=hc_mult, residual_map=residual_map if hc_mult else None,
+        hidden_size=hidden, num_layers=layers, dtype=dtype,
         tokens=tokens, batch=batch, attention=attention, layer_types=list(layer_types),
         kv_cache_bytes_per_token=kv_layers * per_layer, kv_cache_bytes=kv_bytes,
         kv_cache_layer_bytes_per_token=per_layer, kv_cache_note=note,
@@ -283,7 +290,8 @@ def format_bytes(size: float) -> str:
 
 def format_plan(plan: MemoryPlan) -> str:
     """A readable table of ``plan``."""
-    model = f"{plan.model_type}" + (f" as mHC, hc_mult {plan.hc_mult}" if plan.hc_mult else " (residual)")
+    model = f"{plan.model_type}" + (f" as mHC, hc_mult {plan.hc_mult}, {plan.residual_map} residual map"
+                                    if plan.hc_mult else " (residual)")
     rows = [
         ("model", f"{model}, {plan.num_layers} layers, C = {plan.hidden_size}, {plan.attention}, {plan.dtype}"),
         ("workload", f"batch {plan.batch} x {plan.tokens:,} tokens"),

@@ -60,6 +60,19 @@ def test_kv_cache_and_parameters_equal_the_real_models(case, one_thread):
         assert layer.values.shape == (2, 1, TOKENS, backbone.qk_rope_head_dim)
 
 
+@pytest.mark.parametrize("residual_map", ["sinkhorn", "unconstrained", "identity", "permutations"])
+def test_hc_parameter_bytes_follow_the_residual_map(residual_map):
+    """The maps' projections differ in rows: 2n + n*n (sinkhorn, unconstrained), 2n (identity), 2n + n! (permutations).
+    The map comes from an MHCConfig, or from ``residual_map`` for a backbone config."""
+    backbone = tiny_backbone_config("llama")
+    config = MHCConfig(backbone_config=backbone.to_dict(), hc_mult=3, hc_residual_map=residual_map)
+    expected = sum(p.numel() * 4 for name, p in MHCForCausalLM(config).named_parameters() if "hc" in name)
+    from_config = plan_memory(config, dtype="float32")
+    from_backbone = plan_memory(backbone, hc_mult=3, residual_map=residual_map, dtype="float32")
+    assert from_config.hc_parameter_bytes == from_backbone.hc_parameter_bytes == expected
+    assert from_config.residual_map == from_backbone.residual_map == residual_map
+
+
 def test_parameter_bytes_in_bfloat16_and_per_device():
     source = AutoModelForCausalLM.from_config(tiny_backbone_config("llama")).to(torch.bfloat16)
     upcycled = hf_mhc.upcycle(source, hc_mult=2)  # backbone in bfloat16, HC in float32
