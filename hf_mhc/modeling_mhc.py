@@ -852,7 +852,8 @@ class MHCModel(MHCPreTrainedModel):
             cache = DynamicCache(config=backbone)
         cache_layers = first_layer_of_each_kind(self.layers)
         if position_ids is None:
-            past_seen_tokens = cache.get_seq_length(min(cache_layers.values(), default=0)) if cache is not None else 0
+            first_cached = min(cache_layers.values()) if cache_layers else 0  # min(default=) does not trace
+            past_seen_tokens = cache.get_seq_length(first_cached) if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
