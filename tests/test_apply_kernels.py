@@ -180,9 +180,10 @@ def test_hy_v4_outputs_and_gradients_are_unchanged(kind, hc_mult, backend, monke
 
 
 def test_hy_v4_runs_through_the_ops(monkeypatch):
-    """The patched HY-V4 calls our ops: each hyper-connection ``mhc_coeffs_pre`` with the identity map and
-    ``hc_magnitude``, each merge ``mhc_post_res`` without a comb, the head ``mhc_head``."""
-    calls = []
+    """The patched HY-V4 calls our ops and uses what they return: each hyper-connection ``mhc_coeffs_pre`` with the
+    identity map and ``hc_magnitude``, each merge ``mhc_post_res`` without a comb, the head ``mhc_head``; any one op
+    returning NaN makes every output NaN."""
+    calls, poisoned = [], set()
 
     def counting(name):
         op = getattr(integrations, name)
@@ -190,19 +191,29 @@ def test_hy_v4_runs_through_the_ops(monkeypatch):
         def call(*args, **kwargs):
             calls.append((name, kwargs.get("residual_map"), kwargs.get("post_magnitude"),
                           args[3] if name == "mhc_post_res" else "-"))
-            return op(*args, **kwargs)
+            result = op(*args, **kwargs)
+            if name not in poisoned:
+                return result
+            return tuple(t * float("nan") for t in result[:2]) + result[2:] if isinstance(result, tuple) else \
+                result * float("nan")
 
         return call
 
     for name in ("mhc_coeffs_pre", "mhc_post_res", "mhc_head"):
         monkeypatch.setattr(integrations, name, counting(name))
+    ids = torch.randint(1, 67, (1, 5))
     for kind in ("hy_v4", "hy_v4_vl"):
-        calls.clear()
         model = apply_mhc_kernels(tiny_hy_v4(kind, 4))
-        model(torch.randint(1, 67, (1, 5)))
+        calls.clear()
+        model(ids)
         assert sorted(calls, key=str) == sorted(
             [("mhc_coeffs_pre", "identity", 2.5, "-")] * 4 + [("mhc_post_res", None, None, None)] * 4
             + [("mhc_head", None, None, "-")], key=str)
+        for name in ("mhc_coeffs_pre", "mhc_post_res", "mhc_head"):
+            poisoned.add(name)
+            out = model(ids)
+            assert (out.logits if kind == "hy_v4" else out.last_hidden_state).isnan().all(), name
+            poisoned.clear()
 
 
 def test_models_without_hyper_connections_are_refused():
