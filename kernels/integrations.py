@@ -1,7 +1,9 @@
-"""``apply_mhc_kernels``: run the mHC maps of transformers' own models (DeepSeek-V4, GLM-5-Next) through our ops."""
+"""``apply_mhc_kernels``: run the mHC maps of transformers' own models (DeepSeek-V4, GLM-5-Next, HY-V4, HY-V4-VL)
+through our ops."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import MethodType
 
 import torch
@@ -9,8 +11,6 @@ from torch import nn
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .functional import mhc_coeffs_pre, mhc_head, mhc_post_res, resolve_backend
-
-SUPPORTED_MODELS = "DeepseekV4 and Glm5Next (hyper-connections, stream merges, and DeepSeek-V4's weighted head)"
 
 
 def _hyper_connection_forward(backend: str | None):
@@ -80,28 +80,89 @@ def _glm5_next_decoder_forward(backend: str | None):
     return forward
 
 
+def _identity_hyper_connection_forward(backend: str | None):
+    def forward(self, hidden_streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """HY-V4's hyper-connection, the identity map: ``[B, S, n, D]`` -> ``post [B, S, n]``
+        (``hc_magnitude·σ(...) + hc_eps``) and ``collapsed [B, S, D]``, as upstream."""
+        collapsed, post, _ = mhc_coeffs_pre(
+            hidden_streams, self.fn, self.base, self.scale, sinkhorn_iters=1, eps=self.hc_eps,
+            norm_eps=self.input_norm.eps, backend=backend, residual_map="identity",
+            post_magnitude=self.hc_post_magnitude,
+        )
+        return post, collapsed
+
+    return forward
+
+
+def _hy_v4_decoder_forward(backend: str | None):
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        prev_topk_indices: torch.LongTensor | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.LongTensor | None]:
+        """HY-V4's (and HY-V4-VL's) decoder layer with both identity merges ``X[i] + post[i]·y`` fused
+        (``mhc_post_res(..., comb=None)``); returns ``(streams, topk_indices)`` as upstream."""
+        post, collapsed = self.attn_hc(hidden_states)
+        attn_output, _, topk_indices = self.self_attn(
+            hidden_states=self.input_layernorm(collapsed), attention_mask=attention_mask, position_ids=position_ids,
+            cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
+            prev_topk_indices=prev_topk_indices, **kwargs,
+        )
+        hidden_states = mhc_post_res(hidden_states, attn_output, post, None, backend=backend)
+        post, collapsed = self.ffn_hc(hidden_states)
+        mlp_output = self.mlp(self.post_attention_layernorm(collapsed))
+        return mhc_post_res(hidden_states, mlp_output, post, None, backend=backend), topk_indices
+
+    return forward
+
+
+def patched_modules(backend: str | None) -> dict[type[nn.Module], Callable]:
+    """The transformers modules ``apply_mhc_kernels`` patches, each with its new forward (the one list of what it
+    supports)."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dsv4
+    from transformers.models.glm5_next import modeling_glm5_next as glm5
+    from transformers.models.hy_v4 import modeling_hy_v4 as hyv4
+    from transformers.models.hy_v4_vl import modeling_hy_v4_vl as hyv4_vl
+
+    return {
+        dsv4.DeepseekV4HyperConnection: _hyper_connection_forward(backend),
+        dsv4.DeepseekV4HyperHead: _hyper_head_forward(backend),
+        dsv4.DeepseekV4DecoderLayer: _deepseek_v4_decoder_forward(backend),
+        glm5.Glm5NextTextHyperConnection: _hyper_connection_forward(backend),
+        glm5.Glm5NextTextDecoderLayer: _glm5_next_decoder_forward(backend),
+        hyv4.HYV4HyperConnection: _identity_hyper_connection_forward(backend),
+        hyv4.HYV4HyperHead: _hyper_head_forward(backend),
+        hyv4.HYV4DecoderLayer: _hy_v4_decoder_forward(backend),
+        hyv4_vl.HYV4VLHyperConnection: _identity_hyper_connection_forward(backend),
+        hyv4_vl.HYV4VLHyperHead: _hyper_head_forward(backend),
+        hyv4_vl.HYV4VLDecoderLayer: _hy_v4_decoder_forward(backend),
+    }
+
+
 def apply_mhc_kernels(model: nn.Module, backend: str | None = None) -> nn.Module:
     """Patch, in place, a transformers model carrying DeepSeek-V4's hyper-connection design so that its mHC math
     runs through ``hf_mhc.kernels`` (fused Triton kernels on CUDA, memory-light torch kernels elsewhere).
 
     DeepSeek-V4: ``DeepseekV4HyperConnection``, ``DeepseekV4HyperHead`` and the stream merges of
     ``DeepseekV4DecoderLayer``. GLM-5-Next: ``Glm5NextTextHyperConnection`` and the stream merges of
-    ``Glm5NextTextDecoderLayer`` (its head is a plain mean, left as it is). In float32 the numbers are upstream's up
-    to rounding. With bf16 / fp16 streams the merges compute in float32 and round once, where upstream first rounds
-    ``post`` and ``comb`` to the stream dtype. Returns ``model``.
+    ``Glm5NextTextDecoderLayer`` (its head is a plain mean, left as it is). HY-V4 (``HYV4ForCausalLM``) and the text
+    model of HY-V4-VL (``HYV4VLTextModel``, also inside ``HYV4VLForConditionalGeneration``): ``HYV4HyperConnection``
+    (the identity map, ``residual_map="identity"`` with ``post_magnitude = hc_magnitude``), ``HYV4HyperHead`` and the
+    identity merges of ``HYV4DecoderLayer``, and their ``HYV4VL`` twins. In float32 the numbers are upstream's up to
+    rounding; so they are for HY-V4 in bf16 / fp16, whose merges also compute in float32 and round once. DeepSeek-V4
+    and GLM-5-Next first round ``post`` and ``comb`` to the stream dtype, where our merges keep them float32. Returns
+    ``model``.
     """
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dsv4
-    from transformers.models.glm5_next import modeling_glm5_next as glm5
-
     if backend is not None:
         resolve_backend(backend, next(model.parameters()))
-    patches = {
-        dsv4.DeepseekV4HyperConnection: _hyper_connection_forward(backend),
-        glm5.Glm5NextTextHyperConnection: _hyper_connection_forward(backend),
-        dsv4.DeepseekV4HyperHead: _hyper_head_forward(backend),
-        dsv4.DeepseekV4DecoderLayer: _deepseek_v4_decoder_forward(backend),
-        glm5.Glm5NextTextDecoderLayer: _glm5_next_decoder_forward(backend),
-    }
+    patches = patched_modules(backend)
     patched = 0
     for module in model.modules():
         forward = patches.get(type(module))
@@ -109,6 +170,7 @@ def apply_mhc_kernels(model: nn.Module, backend: str | None = None) -> nn.Module
             module.forward = MethodType(forward, module)
             patched += 1
     if patched == 0:
+        supported = ", ".join(cls.__name__ for cls in patches)
         raise ValueError(f"apply_mhc_kernels found no hyper-connection module in {type(model).__name__}; "
-                         f"it supports {SUPPORTED_MODELS}.")
+                         f"it patches {supported}.")
     return model

@@ -7,10 +7,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    DeepseekV4Config,
+    DeepseekV4ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextHyperConnection, Glm5NextTextModel
+from transformers.models.hy_v4_vl.modeling_hy_v4_vl import HYV4VLTextModel
 
+import hf_mhc.kernels.integrations as integrations
 from hf_mhc import apply_mhc_kernels
 
 
@@ -105,8 +114,111 @@ def test_glm5_next_hyper_connection_is_unchanged():
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
+# HY-V4: a dense and a MoE layer, a full and a shared DSA indexer; hc_magnitude 2.5 (not DeepSeek's 2), and hc_eps,
+# rms_norm_eps large enough that a misplaced or missing epsilon shows at the tolerance.
+HY_V4_SETTINGS = dict(
+    vocab_size=67, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+    num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16,
+    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, index_topk=4, index_head_dim=16, index_n_heads=2,
+    indexer_types=["full", "shared"], max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    hc_magnitude=2.5, hc_eps=1e-2, rms_norm_eps=1e-3, initializer_range=0.05,
+)
+
+
+def tiny_hy_v4(kind: str, hc_mult: int):
+    """``HYV4ForCausalLM`` (``kind="hy_v4"``) or HY-V4-VL's ``HYV4VLTextModel``, with uneven token-dependent maps."""
+    if kind == "hy_v4":
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("hy_v4", hc_mult=hc_mult, **HY_V4_SETTINGS))
+    else:
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+        model = HYV4VLTextModel(AutoConfig.for_model("hy_v4_vl_text", hc_mult=hc_mult, rope_parameters=rope,
+                                                     **HY_V4_SETTINGS))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "hc" in name:
+                param.normal_(0.5, 0.5) if name.endswith(("base", "scale")) else param.normal_(0, 0.05)
+    return model.train()
+
+
+def output_and_grads(model, ids, output_grad):
+    """The logits (or last hidden state) and every parameter gradient after ``output.backward(output_grad)``."""
+    model.zero_grad()
+    out = model(ids)
+    output = out.logits if hasattr(out, "logits") else out.last_hidden_state
+    output.backward(output_grad)
+    return output.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(("kind", "hc_mult", "backend"), [
+    ("hy_v4", 4, "torch"), ("hy_v4", 4, "triton"), ("hy_v4", 3, "torch"), ("hy_v4", 3, "triton"),
+    ("hy_v4_vl", 4, "torch"), ("hy_v4_vl", 4, "triton"),
+])
+def test_hy_v4_outputs_and_gradients_are_unchanged(kind, hc_mult, backend, monkeypatch):
+    """Every output and gradient within ``(1e-5 + 4u) * max|upstream|``, where ``u`` is upstream's own float32 error
+    (its worst over the output and gradients, relative to the same model in float64): the one- and few-entry
+    gradients (``scale``, ``hc_scale``, ``hc_base``, the attention sinks) are sums over every token and stream that
+    cancel, and float32 rounding alone moves them by up to ~5e-4 of their value, upstream's as much as ours."""
+    upstream = tiny_hy_v4(kind, hc_mult)
+    patched = apply_mhc_kernels(copy.deepcopy(upstream), backend=backend)
+    assert sum("forward" in vars(m) for m in patched.modules()) == 7  # 4 hyper-connections, 2 decoder layers, head
+    ids = torch.randint(1, 67, (2, 12))
+    output_grad = torch.randn(2, 12, 67 if kind == "hy_v4" else 32)
+    output_ref, grads_ref = output_and_grads(upstream, ids, output_grad)
+    output, grads = output_and_grads(patched, ids, output_grad)
+    exact = copy.deepcopy(upstream).double()
+    exact.config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
+    with monkeypatch.context() as context:  # upstream's float32 casts too
+        context.setattr(torch.Tensor, "float", torch.Tensor.double)
+        output_exact, grads_exact = output_and_grads(exact, ids, output_grad.double())
+    assert grads.keys() == grads_ref.keys() and sum("hc" in name for name in grads) == 15
+    results = [("output", output, output_ref, output_exact)]
+    results += [(name, grads[name], grads_ref[name], grads_exact[name]) for name in grads_ref]
+    upstream_error = max(((ref.double() - value).abs().max() / value.abs().max()).item() for *_, ref, value in results)
+    for name, ours, ref, _ in results:
+        atol = (1e-5 + 4 * upstream_error) * ref.abs().max().item()
+        torch.testing.assert_close(ours, ref, atol=atol, rtol=0, msg=name)
+
+
+def test_hy_v4_runs_through_the_ops(monkeypatch):
+    """The patched HY-V4 calls our ops and uses what they return: each hyper-connection ``mhc_coeffs_pre`` with the
+    identity map and ``hc_magnitude``, each merge ``mhc_post_res`` without a comb, the head ``mhc_head``; any one op
+    returning NaN makes every output NaN."""
+    calls, poisoned = [], set()
+
+    def counting(name):
+        op = getattr(integrations, name)
+
+        def call(*args, **kwargs):
+            calls.append((name, kwargs.get("residual_map"), kwargs.get("post_magnitude"),
+                          args[3] if name == "mhc_post_res" else "-"))
+            result = op(*args, **kwargs)
+            if name not in poisoned:
+                return result
+            return tuple(t * float("nan") for t in result[:2]) + result[2:] if isinstance(result, tuple) else \
+                result * float("nan")
+
+        return call
+
+    for name in ("mhc_coeffs_pre", "mhc_post_res", "mhc_head"):
+        monkeypatch.setattr(integrations, name, counting(name))
+    ids = torch.randint(1, 67, (1, 5))
+    for kind in ("hy_v4", "hy_v4_vl"):
+        model = apply_mhc_kernels(tiny_hy_v4(kind, 4))
+        calls.clear()
+        model(ids)
+        assert sorted(calls, key=str) == sorted(
+            [("mhc_coeffs_pre", "identity", 2.5, "-")] * 4 + [("mhc_post_res", None, None, None)] * 4
+            + [("mhc_head", None, None, "-")], key=str)
+        for name in ("mhc_coeffs_pre", "mhc_post_res", "mhc_head"):
+            poisoned.add(name)
+            out = model(ids)
+            assert (out.logits if kind == "hy_v4" else out.last_hidden_state).isnan().all(), name
+            poisoned.clear()
+
+
 def test_models_without_hyper_connections_are_refused():
     llama = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, vocab_size=32))
-    with pytest.raises(ValueError, match="found no hyper-connection module in LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=r"found no hyper-connection module in LlamaForCausalLM; it patches "
+                                         r"DeepseekV4HyperConnection, .*HYV4HyperConnection, .*HYV4VLDecoderLayer\.$"):
         apply_mhc_kernels(llama)
