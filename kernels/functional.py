@@ -89,7 +89,8 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor) -> str:
     if backend == "triton" and not on_cuda and not interpreting():
         raise ValueError(
             "backend='triton' runs on CUDA tensors; set TRITON_INTERPRET=1 before importing triton to run the "
-            "kernels on CPU tensors, or use backend='torch'."
+            "kernels on CPU tensors, or use backend='torch' (in a model: hc_implementation='torch' or 'auto' "
+            "instead of 'triton')."
         )
     return backend
 
