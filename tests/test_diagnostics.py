@@ -125,6 +125,62 @@ def test_gains_match_a_float64_product_of_the_mixing_maps_over_the_unmasked_toke
     assert report["num_tokens"] == int(keep.sum())
 
 
+def known_signed_maps(model, monkeypatch, shape, scale, seed=0):
+    """Give every HC site of ``model`` known token-dependent maps: ``comb = scale * (I + 0.5 R)`` with ``R`` standard
+    normal per token (entries of both signs, rows and columns far from summing to 1), returned by the site's ``maps``
+    (what the report reads). Returns the float32 ``comb [B, T, n, n]`` of every site in depth order."""
+    generator = torch.Generator().manual_seed(seed)
+    n = model.config.hc_mult
+    combs = []
+    for layer in model.model.layers:
+        for site in (layer.attn_hc, layer.ffn_hc):
+            comb = scale * (torch.eye(n) + 0.5 * torch.randn(*shape, n, n, generator=generator))
+            pre, post = torch.rand(*shape, n, generator=generator), 2 * torch.rand(*shape, n, generator=generator)
+            monkeypatch.setattr(site, "maps", lambda streams, maps=(pre, post, comb): maps)
+            combs.append(comb)
+    return combs
+
+
+def product_gains(combs, keep):
+    """Forward / backward gain (max absolute row / column sum) of ``comb_last^T ... comb_0^T`` per kept token, each
+    product formed on its own with numpy in float64."""
+    import numpy as np
+
+    forward, backward = [], []
+    for b, t in keep.nonzero().tolist():
+        product = np.eye(combs[0].shape[-1])
+        for comb in combs:
+            product = comb[b, t].double().numpy().T @ product
+        forward.append(np.abs(product).sum(axis=1).max())
+        backward.append(np.abs(product).sum(axis=0).max())
+    return np.array(forward), np.array(backward)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.5])
+def test_composite_gain_of_known_signed_maps_is_their_float64_product(scale, monkeypatch):
+    model = mhc_model(hc_mult=4)
+    input_ids = torch.randint(3, VOCAB, (2, 7))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :2] = 0  # left padding: not measured
+    combs = known_signed_maps(model, monkeypatch, input_ids.shape, scale)
+    report = stability_report(model, input_ids, attention_mask)
+
+    forward, backward = product_gains(combs, attention_mask.bool())
+    composite = report["composite"]
+    assert composite["forward_gain_max"] == pytest.approx(forward.max(), rel=1e-12)
+    assert composite["forward_gain_mean"] == pytest.approx(forward.mean(), rel=1e-12)
+    assert composite["backward_gain_max"] == pytest.approx(backward.max(), rel=1e-12)
+    assert composite["backward_gain_mean"] == pytest.approx(backward.mean(), rel=1e-12)
+    for depth, site in enumerate(report["sites"]):
+        forward, backward = product_gains(combs[: depth + 1], attention_mask.bool())
+        assert site["cumulative_forward_gain_max"] == pytest.approx(forward.max(), rel=1e-12)
+        assert site["cumulative_backward_gain_max"] == pytest.approx(backward.max(), rel=1e-12)
+    # Nothing bounds unconstrained maps: 6 sites scaled by 1.5 grow the signal far beyond 1.
+    if scale > 1:
+        assert composite["forward_gain_max"] > 10 and composite["backward_gain_max"] > 10
+    assert min(site["comb_row_sum_min"] for site in report["sites"]) < 0  # signed sums are reported as they are
+
+
 def test_doubly_stochastic_comb_is_non_expansive_and_one_sinkhorn_round_is_not():
     converged = randomize_hc(mhc_model(hc_mult=4, hc_sinkhorn_iters=100), fn_std=0.1)
     one_round = mhc_model(hc_mult=4, hc_sinkhorn_iters=1)
@@ -213,6 +269,9 @@ def test_callback_logs_the_scalars_through_trainer_every_n_steps(tmp_path):
     assert history[0]["mhc/stream_cosine_mean"] == pytest.approx(before["mhc/stream_cosine_mean"])
     # Training moved the HC maps, and the logged report follows them.
     assert history[-1]["mhc/pre_max"] != history[0]["mhc/pre_max"]
+    # The first report names the variant it measured (once: a string is text, not a scalar, to the integrations).
+    assert [entry.get("mhc/hc_residual_map") for entry in history] == ["sinkhorn", None, None]
+    assert [logs.get("mhc/hc_residual_map") for step, logs in recorder.logs if step == 0] == ["sinkhorn"]
 
 
 def test_callback_rejects_bad_arguments():
@@ -364,3 +423,34 @@ def test_plots_label_their_y_axes_mark_1_and_draw_float_noise_flat(tmp_path, mon
     gains = overview_and_layer_figures(loose, tmp_path, monkeypatch)[0].axes[0]
     largest = max(site["cumulative_backward_gain_max"] for site in loose["sites"])
     assert largest > 1.05 and gains.get_ylim()[1] >= largest and gains.get_ylim()[0] <= 0.95
+
+
+def test_the_report_its_table_and_its_plots_name_the_variant_measured(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    model = mhc_model(hc_mult=4)
+    report = stability_report(model, torch.randint(3, VOCAB, (1, 6)))
+    assert report["hc_residual_map"] == "sinkhorn"
+    assert format_report(report).startswith("mHC stability report (sinkhorn residual maps): n = 4 streams")
+    overview, layers = overview_and_layer_figures(report, tmp_path, monkeypatch)
+    assert all("(sinkhorn residual maps)" in figure.get_suptitle() for figure in [overview, *layers])
+
+
+def test_plots_of_signed_expanding_maps_are_not_clipped(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    model = mhc_model(hc_mult=4)
+    input_ids = torch.randint(3, VOCAB, (1, 6))
+    known_signed_maps(model, monkeypatch, input_ids.shape, scale=1.5)
+    report = stability_report(model, input_ids)
+    overview, layers = overview_and_layer_figures(report, tmp_path, monkeypatch)
+    gains = overview.axes[0]
+    largest = max(site["cumulative_forward_gain_max"] for site in report["sites"])
+    assert largest > 10 and gains.get_yscale() == "log" and gains.get_ylim()[1] >= largest
+    for figure, layer in zip(layers, range(report["num_layers"]), strict=True):
+        entries = torch.tensor([site["comb_token_mean"] for site in report["sites"] if site["layer"] == layer],
+                               dtype=torch.float64)
+        for image in (axis.get_images()[0] for axis in figure.axes if axis.get_images()):
+            low, high = image.get_clim()
+            assert low <= entries.min().item() < 0 and high >= entries.max().item(), (low, high)
+        bars = next(axis for axis in figure.axes if axis.get_xlabel() == "stream")
+        heights = [patch.get_height() for patch in bars.patches]
+        assert bars.get_ylim()[0] <= min(heights) and bars.get_ylim()[1] >= max(heights)
