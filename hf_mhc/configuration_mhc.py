@@ -13,6 +13,8 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from .mhc_reference import MAX_PERMUTATION_STREAMS, RESIDUAL_MAPS
+
 
 @dataclasses.dataclass(frozen=True)
 class BackboneWiring:
@@ -91,6 +93,7 @@ BACKBONE_WIRINGS: dict[str, BackboneWiring] = {
 }
 SUPPORTED_BACKBONES: tuple[str, ...] = tuple(BACKBONE_WIRINGS)
 HC_INITS: tuple[str, ...] = ("function_preserving", "deepseek_v4")
+HC_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "reference", "torch", "triton")
 MAX_HC_MULT = 8
 # Why 100: see `hc_sinkhorn_iters` in MHCConfig's docstring (cost grows with iters, iters² in the Triton backward).
 MAX_SINKHORN_ITERS = 100
@@ -133,6 +136,20 @@ class MHCConfig(PreTrainedConfig):
         hc_init_dynamic_scale (`float`, defaults to 0.01):
             initial `scale` of the dynamic (token-dependent) part. Non-zero so that `fn = 0` gets a gradient;
             small, as in the mHC paper, so that early updates of `fn` perturb the maps gently.
+        hc_residual_map (`str`, defaults to `"sinkhorn"`): how the streams are mixed, from the same projection of
+            the flattened streams (formulas in the README, "The math"). `"sinkhorn"` is mHC (`comb` projected by
+            Sinkhorn-Knopp towards the doubly stochastic matrices); `"unconstrained"` the original Hyper-Connections
+            (static plus scaled-tanh dynamic maps, no projection); `"identity"` carries the streams unmixed and
+            learns only `pre` and `post` (as transformers' HY-V4; `fn` has `2n` rows and `scale` 2 entries);
+            `"permutations"` is mHC-lite (`comb` a softmax-weighted sum of the `n!` permutation matrices, exactly
+            doubly stochastic; `hc_mult` at most 4, as the cost grows as `n!`).
+        hc_post_magnitude (`float`, defaults to 2.0): `m` in the identity map's `post = m·σ(...) + hc_eps`
+            (HY-V4's `hc_magnitude`). mHC's and mHC-lite's `post = 2σ(...)` are fixed, so other maps need 2.0.
+        hc_implementation (`str`, defaults to `"auto"`): which code runs the maps, resolved when the model is built
+            (like `attn_implementation`; `model.set_hc_implementation` changes it): `"triton"` the fused Triton
+            kernels (CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1`), `"torch"` the memory-light torch
+            kernels, `"auto"` Triton for CUDA tensors and torch otherwise, `"reference"` the plain formula of
+            `mhc_reference.py` (what a checkpoint loaded without the plugin runs). The numbers agree to rounding.
         hc_recompute (`bool`, defaults to `False`):
             selective recomputation (mHC paper §4.3.2): store, per decoder layer, only the streams entering it and
             the two sublayer outputs; the coefficients, the collapsed sublayer inputs and the streams between the two
@@ -159,6 +176,9 @@ class MHCConfig(PreTrainedConfig):
     hc_init_post_delta: float = 0.1
     hc_init_comb_diag: float = 2.0
     hc_init_dynamic_scale: float = 0.01
+    hc_residual_map: Literal["sinkhorn", "unconstrained", "identity", "permutations"] = "sinkhorn"
+    hc_post_magnitude: float = 2.0
+    hc_implementation: Literal["auto", "reference", "torch", "triton"] = "auto"
     hc_recompute: bool = False
     tie_word_embeddings: bool | None = None  # None: the backbone's; a value given here is written to the backbone
 
@@ -211,6 +231,23 @@ class MHCConfig(PreTrainedConfig):
             _check_finite(name, getattr(self, name))
         if self.hc_init_dynamic_scale == 0:
             raise ValueError("hc_init_dynamic_scale must be non-zero, or fn (initialised to 0) never gets a gradient.")
+        if not isinstance(self.hc_residual_map, str) or self.hc_residual_map not in RESIDUAL_MAPS:
+            raise ValueError(f"hc_residual_map must be one of {', '.join(RESIDUAL_MAPS)}; "
+                             f"got {self.hc_residual_map!r}.")
+        if self.hc_residual_map == "permutations" and self.hc_mult > MAX_PERMUTATION_STREAMS:
+            raise ValueError(f"hc_residual_map='permutations' supports hc_mult <= {MAX_PERMUTATION_STREAMS}: it mixes "
+                             f"all n! permutation matrices, a cost that grows as n! (24 at n=4, 120 at n=5); got "
+                             f"hc_mult={self.hc_mult}.")
+        _check_finite("hc_post_magnitude", self.hc_post_magnitude)
+        if not self.hc_post_magnitude > 0:
+            raise ValueError(f"hc_post_magnitude must be > 0, got {self.hc_post_magnitude!r}.")
+        if self.hc_post_magnitude != 2.0 and self.hc_residual_map != "identity":
+            raise ValueError(f"hc_post_magnitude applies to hc_residual_map='identity' only (the other maps' post is "
+                             f"fixed: 2σ for sinkhorn and permutations, no σ for unconstrained); got "
+                             f"{self.hc_post_magnitude!r} with hc_residual_map={self.hc_residual_map!r}.")
+        if not isinstance(self.hc_implementation, str) or self.hc_implementation not in HC_IMPLEMENTATIONS:
+            raise ValueError(f"hc_implementation must be one of {', '.join(HC_IMPLEMENTATIONS)}; got "
+                             f"{self.hc_implementation!r}.")
         if not isinstance(self.hc_recompute, bool):
             raise ValueError(f"hc_recompute must be True or False, got {self.hc_recompute!r}.")
 

@@ -7,6 +7,7 @@ coefficient is computed in float32 whatever that dtype is. This file ships flat 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -41,6 +42,40 @@ def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.T
         return F.linear(normalized_flat_streams(streams, norm_eps), fn.float())
 
 
+RESIDUAL_MAPS: tuple[str, ...] = ("sinkhorn", "unconstrained", "identity", "permutations")
+MAX_PERMUTATION_STREAMS = 4  # permutations mixes all n! permutation matrices: 24 at n = 4, 120 at n = 5
+
+
+def map_sizes(n: int, residual_map: str = "sinkhorn") -> tuple[int, int, int]:
+    """Columns of ``mix`` (rows of ``fn``, entries of ``base``) for ``pre``, ``post`` and ``comb``: ``comb`` has
+    ``n*n`` for sinkhorn and unconstrained, none for identity and ``n!`` (one weight per permutation) for
+    permutations."""
+    comb = {"sinkhorn": n * n, "unconstrained": n * n, "identity": 0, "permutations": math.factorial(n)}
+    if residual_map not in comb:
+        raise ValueError(f"Unknown residual map {residual_map!r}; available maps: {', '.join(RESIDUAL_MAPS)}.")
+    return n, n, comb[residual_map]
+
+
+def scale_size(residual_map: str = "sinkhorn") -> int:
+    """Entries of ``scale``: one per map group (pre, post[, comb])."""
+    return 2 if residual_map == "identity" else 3
+
+
+def streams_of(base: torch.Tensor, residual_map: str) -> int:
+    """``n`` from the length of ``base`` (``sum(map_sizes(n, residual_map))``)."""
+    for n in range(1, base.shape[0] + 1):
+        if sum(map_sizes(n, residual_map)) == base.shape[0]:
+            return n
+    raise ValueError(f"A base of {base.shape[0]} entries fits no stream count for residual_map={residual_map!r}.")
+
+
+def permutation_matrices(n: int, device=None) -> torch.Tensor:
+    """The ``n!`` permutation matrices ``[n!, n, n]`` (float32) in ``itertools.permutations`` order, which is
+    lexicographic and starts with the identity: ``P_k[i, j] = 1`` where ``j = perm_k[i]``."""
+    order = torch.tensor(list(itertools.permutations(range(n))), device=device)  # [n!, n]
+    return torch.eye(n, device=device)[order]
+
+
 def mhc_maps(
     mix: torch.Tensor,
     base: torch.Tensor,
@@ -48,19 +83,46 @@ def mhc_maps(
     *,
     sinkhorn_iters: int,
     eps: float,
+    residual_map: str = "sinkhorn",
+    post_magnitude: float = 2.0,
     sinkhorn_fn=sinkhorn,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``pre``, ``post``, ``comb`` from the projected streams ``mix [..., (n+2)*n]`` (float32).
+    """``pre [..., n]``, ``post [..., n]``, ``comb [..., n, n]`` (float32) from the projected streams ``mix`` (the
+    columns of ``map_sizes(n, residual_map)``), with ``w = mix`` split into ``pre_w, post_w, comb_w``, ``base`` into
+    ``pre_b, post_b, comb_b`` and ``scale`` into ``s0, s1[, s2]``:
+
+    - ``"sinkhorn"`` (mHC): ``pre = σ(s0·pre_w + pre_b) + eps``, ``post = 2σ(s1·post_w + post_b)``,
+      ``comb = Sinkhorn(s2·comb_w + comb_b)`` (``sinkhorn``).
+    - ``"unconstrained"`` (Hyper-Connections): ``pre = s0·tanh(pre_w) + pre_b``, ``post = s1·tanh(post_w) + post_b``,
+      ``comb = s2·tanh(comb_w) + comb_b``: static plus scaled-tanh dynamic maps, no projection, so ``comb`` may be
+      negative and its rows and columns need not sum to 1.
+    - ``"identity"`` (HY-V4): ``pre`` as mHC, ``post = post_magnitude·σ(s1·post_w + post_b) + eps``, ``comb = I``
+      (no comb columns, ``scale`` has 2 entries).
+    - ``"permutations"`` (mHC-lite): ``pre`` and ``post`` as mHC, ``comb = Σ_k w_k P_k`` over the ``n!`` permutation
+      matrices (``permutation_matrices``) with ``w = softmax(s2·comb_w + comb_b)``: exactly doubly stochastic.
 
     ``sinkhorn_fn(logits, iters, eps)`` lets a caller swap in a memory-light Sinkhorn with the same numbers.
     """
-    n = math.isqrt(1 + base.shape[0]) - 1  # base holds (n + 2) * n entries
-    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    pre_scale, post_scale, comb_scale = scale.float().unbind(0)
+    n = streams_of(base, residual_map)
+    sizes = map_sizes(n, residual_map)
+    pre_w, post_w, comb_w = mix.split(sizes, dim=-1)
+    pre_b, post_b, comb_b = base.float().split(sizes)
+    pre_scale, post_scale, *comb_scale = scale.float().unbind(0)
+    if residual_map == "unconstrained":
+        pre = pre_scale * torch.tanh(pre_w) + pre_b
+        post = post_scale * torch.tanh(post_w) + post_b
+        comb = comb_scale[0] * torch.tanh(comb_w.unflatten(-1, (n, n))) + comb_b.view(n, n)
+        return pre, post, comb
     pre = torch.sigmoid(pre_w * pre_scale + pre_b) + eps
+    if residual_map == "identity":
+        post = post_magnitude * torch.sigmoid(post_w * post_scale + post_b) + eps
+        return pre, post, torch.eye(n, device=mix.device).expand(*mix.shape[:-1], n, n)
     post = 2 * torch.sigmoid(post_w * post_scale + post_b)
-    comb_logits = comb_w.unflatten(-1, (n, n)) * comb_scale + comb_b.view(n, n)
+    if residual_map == "permutations":
+        weights = torch.softmax(comb_w * comb_scale[0] + comb_b, dim=-1)
+        comb = weights @ permutation_matrices(n, mix.device).flatten(1)  # [..., n!] @ [n!, n*n]
+        return pre, post, comb.unflatten(-1, (n, n))
+    comb_logits = comb_w.unflatten(-1, (n, n)) * comb_scale[0] + comb_b.view(n, n)
     return pre, post, sinkhorn_fn(comb_logits, sinkhorn_iters, eps)
 
 
@@ -73,18 +135,23 @@ def mhc_coeffs(
     sinkhorn_iters: int,
     eps: float,
     norm_eps: float,
+    residual_map: str = "sinkhorn",
+    post_magnitude: float = 2.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token-dependent mHC maps of one sublayer.
+    """Token-dependent maps of one sublayer (``mhc_maps`` of ``mhc_mix``).
 
     Args:
         streams: ``[..., n, C]``.
-        fn: ``[(n+2)*n, n*C]``; base: ``[(n+2)*n]``; scale: ``[3]`` (pre, post, comb).
+        fn: ``[m, n*C]``, base: ``[m]`` with ``m = sum(map_sizes(n, residual_map))`` (``(n+2)*n`` for mHC);
+        scale: ``[scale_size(residual_map)]``.
 
     Returns:
-        ``pre [..., n]``, ``post [..., n]``, ``comb [..., n, n]``, all float32.
+        ``pre [..., n]``, ``post [..., n]``, ``comb [..., n, n]`` (the comb applied: the identity for
+        ``"identity"``), all float32.
     """
     mix = mhc_mix(streams, fn, norm_eps)
-    return mhc_maps(mix, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps)
+    return mhc_maps(mix, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps, residual_map=residual_map,
+                    post_magnitude=post_magnitude)
 
 
 def mhc_pre(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -101,23 +168,28 @@ def mhc_coeffs_pre(
     sinkhorn_iters: int,
     eps: float,
     norm_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    residual_map: str = "sinkhorn",
+    post_magnitude: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A site's entry: the sublayer input ``y [..., C]`` (streams' dtype), ``post [..., n]`` and ``comb [..., n, n]``
-    (float32), i.e. ``mhc_coeffs`` followed by ``mhc_pre``."""
-    pre, post, comb = mhc_coeffs(streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps)
-    return mhc_pre(streams, pre), post, comb
+    (float32; ``None`` for the identity map, which has nothing to mix), i.e. ``mhc_coeffs`` then ``mhc_pre``."""
+    pre, post, comb = mhc_coeffs(streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps,
+                                 residual_map=residual_map, post_magnitude=post_magnitude)
+    return mhc_pre(streams, pre), post, None if residual_map == "identity" else comb
 
 
-def mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
+                 comb: torch.Tensor | None) -> torch.Tensor:
     """New streams ``X'[i] = post[i] * y + sum_j comb[j, i] * X[j]`` (comb applied transposed).
 
     Args:
-        streams: ``[..., n, C]``; y: the sublayer output ``[..., C]``; post: ``[..., n]``; comb: ``[..., n, n]``.
+        streams: ``[..., n, C]``; y: the sublayer output ``[..., C]``; post: ``[..., n]``; comb: ``[..., n, n]``, or
+            ``None`` for the identity (``X'[i] = post[i] * y + X[i]``, no mixing).
 
     Returns:
         ``[..., n, C]`` in the streams' dtype, computed in float32.
     """
-    mixed = torch.matmul(comb.float().transpose(-1, -2), streams.float())
+    mixed = streams.float() if comb is None else torch.matmul(comb.float().transpose(-1, -2), streams.float())
     return (post.float().unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(streams.dtype)
 
 

@@ -42,16 +42,57 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-from transformers.utils import can_return_tuple
+from transformers.utils import can_return_tuple, logging
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder
 
 from .configuration_mhc import MHCConfig, backbone_wiring, check_backbone_type
+from .mhc_reference import map_sizes, mhc_coeffs, mhc_coeffs_pre, mhc_head, mhc_post_res, scale_size, sinkhorn
 
-try:  # the plugin's dispatching ops (fused kernels where available)
-    from hf_mhc.kernels import mhc_coeffs, mhc_coeffs_pre, mhc_head, mhc_post_res, sinkhorn
-except ImportError:  # a checkpoint loaded as remote code on a machine without hf_mhc
-    from .mhc_reference import mhc_coeffs, mhc_coeffs_pre, mhc_head, mhc_post_res, sinkhorn
+logger = logging.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class HCOps:
+    """The mHC calls of a model, bound to one ``hc_implementation``: each takes the arguments of the functions of the
+    same name in ``mhc_reference.py`` (``coeffs`` is ``mhc_coeffs``, ...)."""
+
+    implementation: str  # the resolved one: "reference", "torch", "triton" or "auto" (Triton on CUDA, else torch)
+    coeffs: Callable
+    coeffs_pre: Callable
+    post_res: Callable
+    head: Callable
+
+
+REFERENCE_OPS = HCOps("reference", mhc_coeffs, mhc_coeffs_pre, mhc_post_res, mhc_head)
+
+
+@functools.cache
+def resolve_hc_ops(implementation: str) -> HCOps:
+    """The ops of ``hc_implementation`` (see ``MHCConfig``), resolved once per value and process.
+
+    ``"torch"``, ``"triton"`` and ``"auto"`` are the plugin's ``hf_mhc.kernels`` with that backend (``"auto"``: Triton
+    for CUDA tensors, torch otherwise). Where ``hf_mhc.kernels`` does not import (a checkpoint loaded as remote code
+    on a machine without the plugin, or without Triton), ``"auto"`` warns once and runs the reference formula, and
+    ``"torch"`` / ``"triton"`` raise.
+    """
+    if implementation == "reference":
+        return REFERENCE_OPS
+    try:
+        from hf_mhc import kernels
+    except ImportError as error:
+        if implementation != "auto":
+            raise ImportError(f"hc_implementation={implementation!r} needs hf_mhc.kernels, which failed to import "
+                              f"({error}); install hf-mhc with its kernels, or use hc_implementation='reference'.") \
+                from error
+        logger.warning_once(f"hf_mhc.kernels failed to import ({error}): the mHC maps run the plain reference formula "
+                            "(hc_implementation='reference'), which is slower and saves more for backward.")
+        return REFERENCE_OPS
+    backend = None if implementation == "auto" else implementation
+    return HCOps(implementation, functools.partial(kernels.mhc_coeffs, backend=backend),
+                 functools.partial(kernels.mhc_coeffs_pre, backend=backend),
+                 functools.partial(kernels.mhc_post_res, backend=backend),
+                 functools.partial(kernels.mhc_head, backend=backend))
 
 
 @dataclass(frozen=True)
@@ -173,48 +214,56 @@ def scale_logits(backbone_config, logits: torch.Tensor) -> torch.Tensor:
 
 class MHCHyperConnection(nn.Module):
     """The entry of one sublayer site: ``streams [B, T, n, C]`` -> the collapsed sublayer input ``[B, T, C]`` and the
-    token-dependent maps ``post [B, T, n]``, ``comb [B, T, n, n]`` (``maps`` gives ``pre`` too).
+    token-dependent maps ``post [B, T, n]``, ``comb [B, T, n, n]`` (``None`` for the identity residual map; ``maps``
+    gives ``pre`` too, and the comb applied).
 
-    Parameters (float32): ``fn [(n+2)*n, n*C]``, ``base [(n+2)*n]``, ``scale [3]``. ``sublayer_index`` counts the
-    HC sites from the embedding (attention of layer l is ``2l``, its FFN ``2l + 1``); the initialisation uses it.
+    Parameters (float32): ``fn [m, n*C]``, ``base [m]``, ``scale [k]`` with ``m = (n+2)*n`` and ``k = 3`` for mHC
+    (``config.hc_residual_map``: ``m = 2n, k = 2`` for the identity map, ``m = 2n + n!`` for permutations).
+    ``sublayer_index`` counts the HC sites from the embedding (attention of layer l is ``2l``, its FFN ``2l + 1``);
+    the initialisation uses it.
     """
 
     def __init__(self, config: MHCConfig, sublayer_index: int):
         super().__init__()
         n, hidden = config.hc_mult, config.backbone_config.hidden_size
+        rows = sum(map_sizes(n, config.hc_residual_map))
         self.sublayer_index = sublayer_index
         self.hc_mult = n
         self.config = config  # the settings below are read from it at each call, so a change to it takes effect
-        self.fn = nn.Parameter(torch.empty((n + 2) * n, n * hidden, dtype=torch.float32))
-        self.base = nn.Parameter(torch.empty((n + 2) * n, dtype=torch.float32))
-        self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
+        self.ops = resolve_hc_ops(config.hc_implementation)
+        self.fn = nn.Parameter(torch.empty(rows, n * hidden, dtype=torch.float32))
+        self.base = nn.Parameter(torch.empty(rows, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.empty(scale_size(config.hc_residual_map), dtype=torch.float32))
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``streams [B, T, n, C]`` -> the sublayer input ``[B, T, C]`` (``pre`` collapse), ``post [B, T, n]`` and
-        ``comb [B, T, n, n]`` (float32), in one op. None of them is a view: this module is an FSDP2 unit of its own,
-        and FSDP2's pre-backward hook on a view output can be lost to an in-place op."""
-        return mhc_coeffs_pre(streams, self.fn, self.base, self.scale, **self._map_settings())
+        ``comb [B, T, n, n]`` (float32; ``None`` for the identity map), in one op. None of them is a view: this module
+        is an FSDP2 unit of its own, and FSDP2's pre-backward hook on a view output can be lost to an in-place op."""
+        return self.ops.coeffs_pre(streams, self.fn, self.base, self.scale, **self._map_settings())
 
     def maps(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The site's maps alone: ``pre [B, T, n]``, ``post [B, T, n]``, ``comb [B, T, n, n]`` (float32)."""
-        return mhc_coeffs(streams, self.fn, self.base, self.scale, **self._map_settings())
+        """The site's maps alone: ``pre [B, T, n]``, ``post [B, T, n]``, ``comb [B, T, n, n]`` (float32), ``comb``
+        being the one applied (the identity for ``hc_residual_map="identity"``)."""
+        return self.ops.coeffs(streams, self.fn, self.base, self.scale, **self._map_settings())
 
     hc_sinkhorn_iters = property(lambda self: self.config.hc_sinkhorn_iters)
     hc_eps = property(lambda self: self.config.hc_eps)
     norm_eps = property(lambda self: self.config.backbone_config.rms_norm_eps)
 
     def _map_settings(self) -> dict:
-        return dict(sinkhorn_iters=self.hc_sinkhorn_iters, eps=self.hc_eps, norm_eps=self.norm_eps)
+        return dict(sinkhorn_iters=self.hc_sinkhorn_iters, eps=self.hc_eps, norm_eps=self.norm_eps,
+                    residual_map=self.config.hc_residual_map, post_magnitude=self.config.hc_post_magnitude)
 
 
 class MHCHyperHead(nn.Module):
     """Final read-out of the streams: ``[B, T, n, C] -> [B, T, C]``. Parameters ``hc_fn [n, n*C]``, ``hc_base [n]``,
-    ``hc_scale [1]`` (float32)."""
+    ``hc_scale [1]`` (float32), the same for every residual map."""
 
     def __init__(self, config: MHCConfig):
         super().__init__()
         n, hidden = config.hc_mult, config.backbone_config.hidden_size
         self.config = config  # hc_eps and norm_eps are read from it at each call
+        self.ops = resolve_hc_ops(config.hc_implementation)
         self.hc_fn = nn.Parameter(torch.empty(n, n * hidden, dtype=torch.float32))
         self.hc_base = nn.Parameter(torch.empty(n, dtype=torch.float32))
         self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
@@ -224,7 +273,8 @@ class MHCHyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """``streams [B, T, n, C]`` -> ``[B, T, C]`` (streams' dtype), not a view (see MHCHyperConnection)."""
-        return mhc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, eps=self.hc_eps, norm_eps=self.norm_eps)
+        return self.ops.head(streams, self.hc_fn, self.hc_base, self.hc_scale, eps=self.hc_eps,
+                             norm_eps=self.norm_eps)
 
 
 class MHCDecoderLayer(GradientCheckpointingLayer):
@@ -287,9 +337,9 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
             return self._forward_recomputing_mhc(hidden_states, attention_kwargs)
         attn_input, attn_post, attn_comb = self._enter_attention(hidden_states)
         attn_output, attn_weights = self._attention(attn_input, attention_kwargs)
-        hidden_states = mhc_post_res(hidden_states, attn_output, attn_post, attn_comb)
+        hidden_states = self.attn_hc.ops.post_res(hidden_states, attn_output, attn_post, attn_comb)
         mlp_input, mlp_post, mlp_comb = self._enter_mlp(hidden_states)
-        return mhc_post_res(hidden_states, self._mlp(mlp_input), mlp_post, mlp_comb), attn_weights
+        return self.ffn_hc.ops.post_res(hidden_states, self._mlp(mlp_input), mlp_post, mlp_comb), attn_weights
 
     def _run_modules(self, names: tuple[str, ...], hidden_states: torch.Tensor) -> torch.Tensor:
         for name in names:
@@ -319,11 +369,11 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
 
     def _between(self, streams, attn_output, attn_post, attn_comb):
         """The streams between the two sublayers and the MLP site's entry, from the layer's input."""
-        return self._enter_mlp(mhc_post_res(streams, attn_output, attn_post, attn_comb))
+        return self._enter_mlp(self.attn_hc.ops.post_res(streams, attn_output, attn_post, attn_comb))
 
     def _exit(self, streams, attn_output, attn_post, attn_comb, mlp_output, mlp_post, mlp_comb):
-        middle = mhc_post_res(streams, attn_output, attn_post, attn_comb)
-        return mhc_post_res(middle, mlp_output, mlp_post, mlp_comb)
+        middle = self.attn_hc.ops.post_res(streams, attn_output, attn_post, attn_comb)
+        return self.ffn_hc.ops.post_res(middle, mlp_output, mlp_post, mlp_comb)
 
     def _forward_recomputing_mhc(self, streams: torch.Tensor, attention_kwargs: dict):
         """Selective recomputation: three checkpointed mHC regions around the two sublayers, so that autograd keeps
@@ -381,27 +431,74 @@ def _logit(p: float) -> float:
 
 
 def function_preserving_hc_base(config: MHCConfig, sublayer_index: int) -> torch.Tensor:
-    """``base [(n+2)*n]`` of the function-preserving initialisation, with ``fn = 0``.
+    """``base`` (the ``map_sizes`` layout of ``config.hc_residual_map``) of the function-preserving initialisation,
+    with ``fn = 0`` (so every map equals its static part).
 
-    ``pre = 1/n`` exactly and ``comb_b = c·I``. A symmetric ``comb`` has equal row and column sums ``s``, which the
-    ``hc_eps`` terms of Sinkhorn make ``1 - O(hc_eps)``, so each site scales the stream mean by ``s``. The ``post``
-    values of site ``k`` are ``s^(k+1) · 2σ(±j·δ)`` in pairs (``j = 1, 2, ...``; ``s^(k+1)`` alone for odd n): their
-    mean ``s^(k+1)`` scales the sublayer output like the residual, so the stream mean after site ``k`` is exactly
-    ``s^(k+1)`` times the residual network's hidden state. Pre-norm sublayers and the final norm cancel that
-    uniform scale, so the model reproduces its backbone to float32 rounding rather than to ``hc_eps · depth``.
+    Why the stream mean ``m = mean_i X[i]`` then follows the residual network, ``m <- m + F(m)``: the merge gives
+    ``mean_i X'[i] = mean(post) · y + (1/n) Σ_j (Σ_i comb[j, i]) X[j]``, and the collapse ``y = F(Σ_i pre[i] X[i])``.
+    With ``pre = 1/n`` the sublayer sees ``F(m)``; with ``mean(post) = 1`` and every row of ``comb`` summing to 1
+    the new mean is ``m + F(m)``. The streams start as copies of the embedding and the head averages them, so the
+    model computes its backbone. Per map:
+
+    - ``"sinkhorn"``: ``pre = 1/n`` exactly and ``comb_b = c·I``. A symmetric ``comb`` has equal row and column sums
+      ``s``, which the ``hc_eps`` terms of Sinkhorn make ``1 - O(hc_eps)``, so each site scales the stream mean by
+      ``s``. The ``post`` values of site ``k`` are ``s^(k+1) · 2σ(±j·δ)`` in pairs (``j = 1, 2, ...``; ``s^(k+1)``
+      alone for odd n): their mean ``s^(k+1)`` scales the sublayer output like the residual, so the stream mean after
+      site ``k`` is exactly ``s^(k+1)`` times the residual network's hidden state. Pre-norm sublayers and the final
+      norm cancel that uniform scale, so the model reproduces its backbone to float32 rounding rather than to
+      ``hc_eps · depth``.
+    - ``"unconstrained"``: ``pre_b = 1/n``, ``post_b = 2σ(±j·δ)`` (mean 1), ``comb_b = I``: exact.
+    - ``"identity"``: ``pre = 1/n`` as mHC, ``post = m·σ(post_b) + hc_eps = 2σ(±j·δ)`` (``m = hc_post_magnitude``),
+      ``comb = I``: exact.
+    - ``"permutations"``: ``pre`` and ``post`` as mHC (``post_b = ±j·δ``), ``comb_b`` zero but for the identity
+      permutation's weight, chosen so that ``comb``'s diagonal is that of ``softmax(c·I)`` (the mHC start); ``comb``
+      is a convex combination of permutation matrices, so its rows sum to 1 exactly: exact.
+
     Distinct ``j·δ`` keep every stream different (identical streams would get identical gradients forever).
     """
-    n, eps = config.hc_mult, config.hc_eps
-    comb_b = config.hc_init_comb_diag * torch.eye(n, dtype=torch.float64)
-    row_sum = sinkhorn(comb_b.float(), config.hc_sinkhorn_iters, eps).double().sum(-1).mean()
-    post_mean = row_sum ** (sublayer_index + 1)
-    half_post = torch.full((n,), 0.5, dtype=torch.float64)
+    n, eps, residual_map = config.hc_mult, config.hc_eps, config.hc_residual_map
+    half_post = torch.full((n,), 0.5, dtype=torch.float64)  # σ(±j·δ) in pairs, 0.5 for the odd one: mean 1/2
     for pair in range(n // 2):
         half_post[2 * pair] = torch.sigmoid(torch.tensor((pair + 1) * config.hc_init_post_delta, dtype=torch.float64))
         half_post[2 * pair + 1] = 1.0 - half_post[2 * pair]
-    post_b = torch.logit(post_mean * half_post)
-    pre_b = torch.full((n,), _logit(1.0 / n - eps), dtype=torch.float64)
-    return torch.cat([pre_b, post_b, comb_b.flatten()]).float()
+    sigmoid_pre_b = torch.full((n,), _logit(1.0 / n - eps), dtype=torch.float64)
+    if residual_map == "unconstrained":
+        parts = [torch.full((n,), 1.0 / n, dtype=torch.float64), 2 * half_post, torch.eye(n, dtype=torch.float64)]
+    elif residual_map == "identity":
+        magnitude = config.hc_post_magnitude
+        sigmoid_post = (2 * half_post - eps) / magnitude
+        if not bool(((sigmoid_post > 0) & (sigmoid_post < 1)).all()):
+            raise ValueError(f"hc_post_magnitude={magnitude!r} cannot give the function-preserving post values "
+                             f"(up to {2 * half_post.max().item():.4f}); use a larger hc_post_magnitude or a smaller "
+                             f"hc_init_post_delta.")
+        parts = [sigmoid_pre_b, torch.logit(sigmoid_post)]
+    elif residual_map == "permutations":
+        parts = [sigmoid_pre_b, torch.logit(half_post), _identity_permutation_bias(config)]
+    else:
+        comb_b = config.hc_init_comb_diag * torch.eye(n, dtype=torch.float64)
+        row_sum = sinkhorn(comb_b.float(), config.hc_sinkhorn_iters, eps).double().sum(-1).mean()
+        post_mean = row_sum ** (sublayer_index + 1)
+        parts = [sigmoid_pre_b, torch.logit(post_mean * half_post), comb_b]
+    return torch.cat([part.flatten() for part in parts]).float()
+
+
+def _identity_permutation_bias(config: MHCConfig) -> torch.Tensor:
+    """``comb_b [n!]`` of the permutations map: ``b`` on the identity (the first permutation), 0 elsewhere. Then
+    ``comb = w·I + (1 - w)/(n! - 1) · ((n-1)!·J - I)`` (each entry is 1 in ``(n-1)!`` permutations) with
+    ``w = e^b / (e^b + n! - 1)``; ``b`` makes its diagonal ``d = e^c / (e^c + n - 1)``, the diagonal of mHC's start
+    ``softmax(c·I)`` (``c = hc_init_comb_diag``): ``w = (d - r) / (1 - r)`` with ``r = ((n-1)! - 1) / (n! - 1)``."""
+    n, c = config.hc_mult, config.hc_init_comb_diag
+    bias = torch.zeros(math.factorial(n), dtype=torch.float64)
+    if n == 1:
+        return bias
+    diagonal = math.exp(c) / (math.exp(c) + n - 1)
+    others = (math.factorial(n - 1) - 1) / (math.factorial(n) - 1)
+    weight = (diagonal - others) / (1 - others)
+    if not 0 < weight < 1:
+        raise ValueError(f"hc_init_comb_diag={c!r} is too small for hc_residual_map='permutations': comb's diagonal "
+                         f"{diagonal:.4f} would need a negative weight; use hc_init_comb_diag >= 0.")
+    bias[0] = math.log(weight * (math.factorial(n) - 1) / (1 - weight))
+    return bias
 
 
 def function_preserving_head_base(config: MHCConfig) -> torch.Tensor:
@@ -415,15 +512,16 @@ def function_preserving_hc_tensors(config: MHCConfig) -> dict[str, torch.Tensor]
     The ``fn`` / ``hc_fn`` zeros are expanded views of one scalar: no memory, whatever the model size.
     """
     n, hidden = config.hc_mult, config.backbone_config.hidden_size
+    rows, scales = sum(map_sizes(n, config.hc_residual_map)), scale_size(config.hc_residual_map)
     dynamic_scale = config.hc_init_dynamic_scale
     zero = torch.zeros((), dtype=torch.float32)
     tensors = {}
     for layer in range(config.backbone_config.num_hidden_layers):
         for offset, site in enumerate(("attn_hc", "ffn_hc")):
             prefix = f"model.layers.{layer}.{site}"
-            tensors[f"{prefix}.fn"] = zero.expand((n + 2) * n, n * hidden)
+            tensors[f"{prefix}.fn"] = zero.expand(rows, n * hidden)
             tensors[f"{prefix}.base"] = function_preserving_hc_base(config, 2 * layer + offset)
-            tensors[f"{prefix}.scale"] = torch.full((3,), dynamic_scale)
+            tensors[f"{prefix}.scale"] = torch.full((scales,), dynamic_scale)
     tensors["model.hc_head.hc_fn"] = zero.expand(n, n * hidden)
     tensors["model.hc_head.hc_base"] = function_preserving_head_base(config)
     tensors["model.hc_head.hc_scale"] = torch.full((1,), dynamic_scale)

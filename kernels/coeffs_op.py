@@ -13,8 +13,6 @@ through ``coeffs_pre_op`` (coefficients and collapse in one op).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -219,32 +217,52 @@ def _mix_torch(streams, fn, norm_eps):
     return mix.view(*lead, fn.shape[0]), rstd.view(lead)
 
 
-def _map_sizes(n: int, head: bool) -> list[int]:
-    """Column groups of ``mix``: ``[n]`` for the head, ``[n, n, n*n]`` (pre, post, comb) for a sublayer."""
-    return [n] if head else [n, n, n * n]
+def _map_sizes(n: int, head: bool, residual_map: str = "sinkhorn") -> list[int]:
+    """Column groups of ``mix``, one per entry of ``scale``: ``[n]`` for the head, ``[n, n, n*n]`` (pre, post, comb)
+    for an mHC sublayer, ``[n, n]`` for the identity map, ``[n, n, n!]`` for permutations."""
+    return [n] if head else [size for size in mhc_reference.map_sizes(n, residual_map) if size]
 
 
-def _streams_per_mix(n_mix: int, head: bool) -> int:
-    return n_mix if head else math.isqrt(1 + n_mix) - 1
-
-
-def _grad_z_torch(mix, base, scale, grads, iters, eps, head):
-    """Gradient w.r.t. the pre-activations ``z = mix * scale + base`` (layout of ``mix``), in plain torch."""
-    n = _streams_per_mix(mix.shape[-1], head)
-    z_parts = (mix * _per_column(scale, n, head) + base.float()).split(_map_sizes(n, head), dim=-1)
+def _grad_z_torch(mix, base, scale, grads, iters, eps, head, residual_map="sinkhorn", post_magnitude=2.0):
+    """Gradient w.r.t. the pre-activations ``z = mix * scale + base`` (layout of ``mix``), in plain torch, for the
+    maps that are functions of ``z`` (all but ``"unconstrained"``)."""
+    n = grads[0].shape[-1]
+    z_parts = (mix * _per_column(scale, n, head, residual_map) + base.float()).split(
+        _map_sizes(n, head, residual_map), dim=-1)
     sig = torch.sigmoid(z_parts[0])
     grad_z = [grads[0].float() * sig * (1 - sig)]
     if not head:
         sig = torch.sigmoid(z_parts[1])
-        grad_z.append(2 * grads[1].float() * sig * (1 - sig))
-        logits = z_parts[2].unflatten(-1, (n, n))
-        grad_z.append(sinkhorn_backward_torch(logits, grads[2], iters, eps).flatten(-2))
+        magnitude = post_magnitude if residual_map == "identity" else 2.0
+        grad_z.append(magnitude * grads[1].float() * sig * (1 - sig))
+        if residual_map == "sinkhorn":
+            logits = z_parts[2].unflatten(-1, (n, n))
+            grad_z.append(sinkhorn_backward_torch(logits, grads[2], iters, eps).flatten(-2))
+        elif residual_map == "permutations":  # comb = w @ P, w = softmax(z): d w = d comb @ P^T, then softmax's
+            weights = torch.softmax(z_parts[2], dim=-1)
+            grad_weights = grads[2].float().flatten(-2) @ mhc_reference.permutation_matrices(n, mix.device).flatten(1).T
+            grad_z.append(weights * (grad_weights - (grad_weights * weights).sum(-1, keepdim=True)))
     return torch.cat(grad_z, dim=-1)
+
+
+def _maps_backward_torch(mix, base, scale, grads, iters, eps, head, residual_map, post_magnitude):
+    """``(d mix, d base, d scale)`` from the gradients of the maps, in plain torch."""
+    n = grads[0].shape[-1]
+    sizes = _map_sizes(n, head, residual_map)
+    per_column = _per_column(scale, n, head, residual_map)
+    if residual_map == "unconstrained" and not head:  # map = scale * tanh(mix) + base
+        grad_map = torch.cat([grads[0].float(), grads[1].float(), grads[2].float().flatten(-2)], dim=-1)
+        tanh = torch.tanh(mix)
+        grad_scale = torch.stack([part.sum() for part in (grad_map * tanh).split(sizes, dim=-1)])
+        return grad_map * per_column * (1 - tanh.square()), grad_map.reshape(-1, mix.shape[-1]).sum(0), grad_scale
+    grad_z = _grad_z_torch(mix, base, scale, grads, iters, eps, head, residual_map, post_magnitude)
+    grad_scale = torch.stack([part.sum() for part in (grad_z * mix).split(sizes, dim=-1)])
+    return grad_z * per_column, grad_z.reshape(-1, mix.shape[-1]).sum(0), grad_scale
 
 
 def _grad_z_triton(mix, base, scale, grads, iters, eps, head):
     n_mix = mix.shape[-1]
-    n = _streams_per_mix(n_mix, head)
+    n = grads[0].shape[-1]
     mix2d = mix.reshape(-1, n_mix).contiguous()
     tokens = mix2d.shape[0]
     grad_z = torch.empty_like(mix2d)
@@ -261,9 +279,10 @@ def _grad_z_triton(mix, base, scale, grads, iters, eps, head):
     return grad_z.view(mix.shape)
 
 
-def _per_column(scale, n, head):
+def _per_column(scale, n, head, residual_map="sinkhorn"):
     """``scale`` broadcast over the columns of ``mix`` (one scale per map group)."""
-    return torch.repeat_interleave(scale.float(), torch.tensor(_map_sizes(n, head), device=scale.device))
+    sizes = torch.tensor(_map_sizes(n, head, residual_map), device=scale.device)
+    return torch.repeat_interleave(scale.float(), sizes)
 
 
 def _streams_and_fn_grad_torch(streams, fn, grad_raw, correction, collapse):
@@ -311,14 +330,21 @@ def _streams_and_fn_grad_triton(streams, fn, grad_raw, correction, collapse):
 
 
 @without_autocast
-def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, backend, head, collapse=None):
+def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, backend, head, collapse=None,
+                    residual_map="sinkhorn", post_magnitude=2.0):
     """``(d streams, d fn, d base, d scale)`` from the gradients of the maps (``pre[, post, comb]``). ``collapse =
-    (pre, d y)`` adds the ``pre`` collapse's own stream gradient ``pre[i] · d y`` in the same pass."""
+    (pre, d y)`` adds the ``pre`` collapse's own stream gradient ``pre[i] · d y`` in the same pass. The maps' part
+    runs in the Triton kernel for mHC (and the head), in torch for the other residual maps (per-token tensors of
+    ``mix``'s size); the stream-sized pass runs on ``backend`` for all."""
     n, hidden = streams.shape[-2:]
-    grad_z = (_grad_z_triton if backend == "triton" else _grad_z_torch)(mix, base, scale, grads, iters, eps, head)
-    grad_mix = grad_z * _per_column(scale, n, head)
-    grad_base = grad_z.reshape(-1, mix.shape[-1]).sum(0)
-    grad_scale = torch.stack([part.sum() for part in (grad_z * mix).split(_map_sizes(n, head), dim=-1)])
+    if backend == "triton" and (head or residual_map == "sinkhorn"):
+        grad_z = _grad_z_triton(mix, base, scale, grads, iters, eps, head)
+        grad_mix = grad_z * _per_column(scale, n, head)
+        grad_base = grad_z.reshape(-1, mix.shape[-1]).sum(0)
+        grad_scale = torch.stack([part.sum() for part in (grad_z * mix).split(_map_sizes(n, head), dim=-1)])
+    else:
+        grad_mix, grad_base, grad_scale = _maps_backward_torch(mix, base, scale, grads, iters, eps, head,
+                                                               residual_map, post_magnitude)
     grad_raw = grad_mix * rstd.unsqueeze(-1)
     correction = -(rstd.square() / (n * hidden)) * (grad_mix * mix).sum(-1)
     grad_streams, grad_fn = (_streams_and_fn_grad_triton if backend == "triton" else _streams_and_fn_grad_torch)(
@@ -328,16 +354,22 @@ def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, back
 
 
 @without_autocast
-def coeffs_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, head):
-    """``(pre, post, comb, mix, rstd)`` for a sublayer, ``(pre_h, mix, rstd)`` for the head."""
-    if backend == "triton":
+def coeffs_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, head, residual_map="sinkhorn",
+                   post_magnitude=2.0):
+    """``(pre, post, comb, mix, rstd)`` for a sublayer (``comb`` empty for the identity map), ``(pre_h, mix, rstd)``
+    for the head. mHC and the head run in one Triton kernel on ``backend="triton"``; the other residual maps take
+    the projection and the maps from torch (a matmul and per-token tensors of ``mix``'s size)."""
+    if backend == "triton" and (head or residual_map == "sinkhorn"):
         return _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head)
     mix, rstd = _mix_torch(streams, fn, norm_eps)
     if head:
         return mhc_reference.mhc_head_weights(mix, base, scale, eps=eps), mix, rstd
     pre, post, comb = mhc_reference.mhc_maps(
-        mix, base, scale, sinkhorn_iters=iters, eps=eps, sinkhorn_fn=sinkhorn_forward_torch
+        mix, base, scale, sinkhorn_iters=iters, eps=eps, residual_map=residual_map, post_magnitude=post_magnitude,
+        sinkhorn_fn=sinkhorn_forward_torch,
     )
+    if residual_map == "identity":
+        comb = mix.new_empty(0)
     return pre, post, comb, mix, rstd
 
 
@@ -347,17 +379,25 @@ def coeffs_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, head
 @torch.library.custom_op("hf_mhc::mhc_coeffs_fwd", mutates_args=())
 def mhc_coeffs_fwd_op(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
-    eps: float, norm_eps: float, backend: str,
+    eps: float, norm_eps: float, backend: str, residual_map: str, post_magnitude: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return coeffs_forward(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend, head=False)
+    return coeffs_forward(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend, False, residual_map,
+                          post_magnitude)
+
+
+def fake_comb(streams: torch.Tensor, residual_map: str) -> torch.Tensor:
+    """The ``comb`` an op returns: ``[..., n, n]`` float32, empty for the identity map."""
+    if residual_map == "identity":
+        return streams.new_empty(0, dtype=torch.float32)
+    return streams.new_empty(*streams.shape[:-1], streams.shape[-2], dtype=torch.float32)
 
 
 @mhc_coeffs_fwd_op.register_fake
-def _(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend):
+def _(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend, residual_map, post_magnitude):
     lead, n = streams.shape[:-2], streams.shape[-2]
     new = streams.new_empty
     f32 = torch.float32
-    return (new(*lead, n, dtype=f32), new(*lead, n, dtype=f32), new(*lead, n, n, dtype=f32),
+    return (new(*lead, n, dtype=f32), new(*lead, n, dtype=f32), fake_comb(streams, residual_map),
             new(*lead, fn.shape[0], dtype=f32), new(lead, dtype=f32))
 
 
@@ -365,34 +405,38 @@ def _(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend):
 def mhc_coeffs_bwd_op(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, mix: torch.Tensor,
     rstd: torch.Tensor, grad_pre: torch.Tensor, grad_post: torch.Tensor, grad_comb: torch.Tensor,
-    sinkhorn_iters: int, eps: float, backend: str,
+    sinkhorn_iters: int, eps: float, backend: str, residual_map: str, post_magnitude: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return coeffs_backward(streams, fn, base, scale, mix, rstd, (grad_pre, grad_post, grad_comb), sinkhorn_iters,
-                           eps, backend, head=False)
+                           eps, backend, head=False, residual_map=residual_map, post_magnitude=post_magnitude)
 
 
 @mhc_coeffs_bwd_op.register_fake
-def _(streams, fn, base, scale, mix, rstd, grad_pre, grad_post, grad_comb, sinkhorn_iters, eps, backend):
+def _(streams, fn, base, scale, mix, rstd, grad_pre, grad_post, grad_comb, sinkhorn_iters, eps, backend,
+      residual_map, post_magnitude):
     return torch.empty_like(streams), torch.empty_like(fn), torch.empty_like(base), torch.empty_like(scale)
 
 
 def _coeffs_setup_context(ctx, inputs, output):
-    streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend = inputs
+    streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend, residual_map, post_magnitude = inputs
     *_, mix, rstd = output
     ctx.save_for_backward(streams, fn, base, scale, mix, rstd)
     ctx.mark_non_differentiable(mix, rstd)
     ctx.sinkhorn_iters, ctx.eps, ctx.backend = sinkhorn_iters, eps, backend
+    ctx.residual_map, ctx.post_magnitude = residual_map, post_magnitude
 
 
 def _coeffs_backward(ctx, grad_pre, grad_post, grad_comb, grad_mix, grad_rstd):
     streams, fn, base, scale, mix, rstd = ctx.saved_tensors
     lead, n = streams.shape[:-2], streams.shape[-2]
     like = streams.new_empty(*lead, n, dtype=torch.float32)
+    comb_like = fake_comb(streams, ctx.residual_map)
     grads = mhc_coeffs_bwd_op(
         streams, fn, base, scale, mix, rstd, zeros_if_none(grad_pre, like), zeros_if_none(grad_post, like),
-        zeros_if_none(grad_comb, like.unsqueeze(-1).expand(*lead, n, n)), ctx.sinkhorn_iters, ctx.eps, ctx.backend,
+        zeros_if_none(grad_comb, comb_like), ctx.sinkhorn_iters, ctx.eps, ctx.backend, ctx.residual_map,
+        ctx.post_magnitude,
     )
-    return (*grads, None, None, None, None)
+    return (*grads, None, None, None, None, None, None)
 
 
 mhc_coeffs_fwd_op.register_autograd(_coeffs_backward, setup_context=_coeffs_setup_context)

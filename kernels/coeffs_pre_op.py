@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import torch
 
-from .coeffs_op import coeffs_backward, coeffs_forward
+from .coeffs_op import coeffs_backward, coeffs_forward, fake_comb
 from .common import zeros_if_none
 from .pre_op import pre_forward, pre_weights_grad
 
 
-def coeffs_pre_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, head):
-    """``(y, post, comb, pre, mix, rstd)`` for a sublayer, ``(y, pre, mix, rstd)`` for the head."""
-    pre, *maps = coeffs_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, head)
+def coeffs_pre_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, head, residual_map="sinkhorn",
+                       post_magnitude=2.0):
+    """``(y, post, comb, pre, mix, rstd)`` for a sublayer (``comb`` empty for the identity map), ``(y, pre, mix,
+    rstd)`` for the head."""
+    pre, *maps = coeffs_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, head, residual_map,
+                                post_magnitude)
     y = pre_forward(streams, pre, backend)
     if head:
         return (y, pre, *maps)
@@ -28,11 +31,12 @@ def coeffs_pre_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, 
     return y, post, comb, pre, mix, rstd
 
 
-def coeffs_pre_backward(streams, fn, base, scale, pre, mix, rstd, grad_y, map_grads, iters, eps, backend, head):
+def coeffs_pre_backward(streams, fn, base, scale, pre, mix, rstd, grad_y, map_grads, iters, eps, backend, head,
+                        residual_map="sinkhorn", post_magnitude=2.0):
     """``(d streams, d fn, d base, d scale)`` from ``d y`` and the gradients of ``post`` / ``comb`` (sublayer)."""
     grad_pre = pre_weights_grad(streams, pre, grad_y, backend)
     return coeffs_backward(streams, fn, base, scale, mix, rstd, (grad_pre, *map_grads), iters, eps, backend, head,
-                           collapse=(pre, grad_y))
+                           collapse=(pre, grad_y), residual_map=residual_map, post_magnitude=post_magnitude)
 
 
 def _fake_weights(streams, width=None):
@@ -46,15 +50,16 @@ def _fake_weights(streams, width=None):
 @torch.library.custom_op("hf_mhc::mhc_coeffs_pre_fwd", mutates_args=())
 def mhc_coeffs_pre_fwd_op(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
-    eps: float, norm_eps: float, backend: str,
+    eps: float, norm_eps: float, backend: str, residual_map: str, post_magnitude: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return coeffs_pre_forward(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend, head=False)
+    return coeffs_pre_forward(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend, False, residual_map,
+                              post_magnitude)
 
 
 @mhc_coeffs_pre_fwd_op.register_fake
-def _(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend):
+def _(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend, residual_map, post_magnitude):
     return (streams.new_empty(*streams.shape[:-2], streams.shape[-1]), _fake_weights(streams),
-            streams.new_empty(*streams.shape[:-1], streams.shape[-2], dtype=torch.float32), _fake_weights(streams),
+            fake_comb(streams, residual_map), _fake_weights(streams),
             _fake_weights(streams, fn.shape[0]), streams.new_empty(streams.shape[:-2], dtype=torch.float32))
 
 
@@ -62,33 +67,36 @@ def _(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend):
 def mhc_coeffs_pre_bwd_op(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, pre: torch.Tensor,
     mix: torch.Tensor, rstd: torch.Tensor, grad_y: torch.Tensor, grad_post: torch.Tensor, grad_comb: torch.Tensor,
-    sinkhorn_iters: int, eps: float, backend: str,
+    sinkhorn_iters: int, eps: float, backend: str, residual_map: str, post_magnitude: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return coeffs_pre_backward(streams, fn, base, scale, pre, mix, rstd, grad_y, (grad_post, grad_comb),
-                               sinkhorn_iters, eps, backend, head=False)
+                               sinkhorn_iters, eps, backend, head=False, residual_map=residual_map,
+                               post_magnitude=post_magnitude)
 
 
 @mhc_coeffs_pre_bwd_op.register_fake
-def _(streams, fn, base, scale, pre, mix, rstd, grad_y, grad_post, grad_comb, sinkhorn_iters, eps, backend):
+def _(streams, fn, base, scale, pre, mix, rstd, grad_y, grad_post, grad_comb, sinkhorn_iters, eps, backend,
+      residual_map, post_magnitude):
     return torch.empty_like(streams), torch.empty_like(fn), torch.empty_like(base), torch.empty_like(scale)
 
 
 def _coeffs_pre_setup_context(ctx, inputs, output):
-    streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend = inputs
+    streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend, residual_map, post_magnitude = inputs
     _, _, _, pre, mix, rstd = output
     ctx.save_for_backward(streams, fn, base, scale, pre, mix, rstd)
     ctx.mark_non_differentiable(pre, mix, rstd)
     ctx.sinkhorn_iters, ctx.eps, ctx.backend = sinkhorn_iters, eps, backend
+    ctx.residual_map, ctx.post_magnitude = residual_map, post_magnitude
 
 
 def _coeffs_pre_backward(ctx, grad_y, grad_post, grad_comb, grad_pre, grad_mix, grad_rstd):
     streams, fn, base, scale, pre, mix, rstd = ctx.saved_tensors
-    comb_like = pre.unsqueeze(-1).expand(*pre.shape, pre.shape[-1])
     grads = mhc_coeffs_pre_bwd_op(
         streams, fn, base, scale, pre, mix, rstd, zeros_if_none(grad_y, streams[..., 0, :]),
-        zeros_if_none(grad_post, pre), zeros_if_none(grad_comb, comb_like), ctx.sinkhorn_iters, ctx.eps, ctx.backend,
+        zeros_if_none(grad_post, pre), zeros_if_none(grad_comb, fake_comb(streams, ctx.residual_map)),
+        ctx.sinkhorn_iters, ctx.eps, ctx.backend, ctx.residual_map, ctx.post_magnitude,
     )
-    return (*grads, None, None, None, None)
+    return (*grads, None, None, None, None, None, None)
 
 
 mhc_coeffs_pre_fwd_op.register_autograd(_coeffs_pre_backward, setup_context=_coeffs_pre_setup_context)

@@ -8,6 +8,11 @@ Each op takes ``backend``:
 - ``"triton"``: the fused Triton kernels, for CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``);
 - ``None``: Triton for CUDA tensors, torch otherwise.
 
+The coefficient ops take ``residual_map`` (``"sinkhorn"``, mHC, the default; ``"unconstrained"``, ``"identity"``,
+``"permutations"``: see ``hf_mhc.mhc_reference.mhc_maps``) and ``post_magnitude`` (the identity map's ``post``
+scale). With ``"identity"``, ``mhc_coeffs_pre`` returns ``comb=None`` and ``mhc_post_res(..., comb=None)`` carries
+the streams unmixed; ``mhc_coeffs`` returns the comb applied, the identity.
+
 Every op is a ``torch.library`` custom op with its own backward, so ``torch.compile(fullgraph=True)`` traces through
 it. The numbers are those of the plain formula in ``hf_mhc.mhc_reference`` whatever the backend; a failing Triton
 launch raises, it never falls back silently. Streams with no tokens give empty results (and empty gradients); invalid
@@ -21,12 +26,16 @@ import math
 
 import torch
 
+from hf_mhc import mhc_reference
+
 from .coeffs_op import mhc_coeffs_fwd_op
 from .coeffs_pre_op import mhc_coeffs_pre_fwd_op, mhc_head_fwd_op
 from .common import interpreting
 from .post_res_op import mhc_post_res_fwd_op
 from .pre_op import mhc_pre_fwd_op
 from .sinkhorn_op import sinkhorn_fwd_op
+
+RESIDUAL_MAPS = mhc_reference.RESIDUAL_MAPS
 
 BACKENDS: tuple[str, ...] = ("torch", "triton")
 STREAM_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -93,14 +102,23 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float, *, backend: str | Non
     return sinkhorn_fwd_op(logits, iters, eps, resolve_backend(backend, logits))
 
 
-def _check_coeffs_args(op: str, streams, fn, base, scale, sinkhorn_iters: int, eps: float, norm_eps: float) -> None:
+def _check_coeffs_args(op: str, streams, fn, base, scale, sinkhorn_iters: int, eps: float, norm_eps: float,
+                       residual_map: str, post_magnitude: float) -> None:
     check_inputs(op, {"streams": streams, "fn": fn, "base": base, "scale": scale},
                  iters=("sinkhorn_iters", sinkhorn_iters), eps=eps, norm_eps=norm_eps)
+    if residual_map not in RESIDUAL_MAPS:
+        raise ValueError(f"{op} got residual_map={residual_map!r}; available maps: {', '.join(RESIDUAL_MAPS)}.")
+    if isinstance(post_magnitude, bool) or not isinstance(post_magnitude, (int, float)) or not post_magnitude > 0:
+        raise ValueError(f"{op} needs post_magnitude as a number > 0, got {post_magnitude!r}.")
     n, hidden = streams.shape[-2:]
-    if fn.shape != ((n + 2) * n, n * hidden) or base.shape != ((n + 2) * n,) or scale.shape != (3,):
+    if residual_map == "permutations" and n > mhc_reference.MAX_PERMUTATION_STREAMS:
+        raise ValueError(f"{op} with residual_map='permutations' supports n <= {mhc_reference.MAX_PERMUTATION_STREAMS} "
+                         f"streams: it mixes all n! permutation matrices (24 at n=4, 120 at n=5); got n={n}.")
+    rows, scales = sum(mhc_reference.map_sizes(n, residual_map)), mhc_reference.scale_size(residual_map)
+    if fn.shape != (rows, n * hidden) or base.shape != (rows,) or scale.shape != (scales,):
         raise ValueError(
-            f"{op} for n={n}, C={hidden} needs fn [{(n + 2) * n}, {n * hidden}], base [{(n + 2) * n}], "
-            f"scale [3]; got {tuple(fn.shape)}, {tuple(base.shape)}, {tuple(scale.shape)}."
+            f"{op} for n={n}, C={hidden}, residual_map={residual_map!r} needs fn [{rows}, {n * hidden}], "
+            f"base [{rows}], scale [{scales}]; got {tuple(fn.shape)}, {tuple(base.shape)}, {tuple(scale.shape)}."
         )
 
 
@@ -114,12 +132,20 @@ def mhc_coeffs(
     eps: float,
     norm_eps: float,
     backend: str | None = None,
+    residual_map: str = "sinkhorn",
+    post_magnitude: float = 2.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``streams [B, T, n, C]`` -> ``pre [B, T, n]``, ``post [B, T, n]``, ``comb [B, T, n, n]`` (float32)."""
-    _check_coeffs_args("mhc_coeffs", streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
+    """``streams [B, T, n, C]`` -> ``pre [B, T, n]``, ``post [B, T, n]``, ``comb [B, T, n, n]`` (float32; the comb
+    applied, an expanded identity for ``residual_map="identity"``)."""
+    _check_coeffs_args("mhc_coeffs", streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, residual_map,
+                       post_magnitude)
     pre, post, comb, _, _ = mhc_coeffs_fwd_op(
-        streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, resolve_backend(backend, streams)
+        streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, resolve_backend(backend, streams), residual_map,
+        float(post_magnitude),
     )
+    if residual_map == "identity":
+        n = streams.shape[-2]
+        comb = torch.eye(n, device=streams.device).expand(*streams.shape[:-2], n, n)
     return pre, post, comb
 
 
@@ -133,15 +159,19 @@ def mhc_coeffs_pre(
     eps: float,
     norm_eps: float,
     backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    residual_map: str = "sinkhorn",
+    post_magnitude: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A site's entry in one op: ``streams [B, T, n, C]`` -> the sublayer input ``y [B, T, C]`` (streams' dtype),
-    ``post [B, T, n]`` and ``comb [B, T, n, n]`` (float32). The same numbers as ``mhc_coeffs`` then ``mhc_pre``, with
-    one backward node that writes the stream gradient once."""
-    _check_coeffs_args("mhc_coeffs_pre", streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
+    ``post [B, T, n]`` and ``comb [B, T, n, n]`` (float32; ``None`` for the identity map). The same numbers as
+    ``mhc_coeffs`` then ``mhc_pre``, with one backward node that writes the stream gradient once."""
+    _check_coeffs_args("mhc_coeffs_pre", streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, residual_map,
+                       post_magnitude)
     y, post, comb, _, _, _ = mhc_coeffs_pre_fwd_op(
-        streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, resolve_backend(backend, streams)
+        streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, resolve_backend(backend, streams), residual_map,
+        float(post_magnitude),
     )
-    return y, post, comb
+    return y, post, None if residual_map == "identity" else comb
 
 
 def mhc_pre(streams: torch.Tensor, pre: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
@@ -156,22 +186,27 @@ def mhc_post_res(
     streams: torch.Tensor,
     y: torch.Tensor,
     post: torch.Tensor,
-    comb: torch.Tensor,
+    comb: torch.Tensor | None,
     *,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """``X'[i] = post[i] * y + sum_j comb[j, i] * X[j]``: ``[B, T, n, C]`` in the streams' dtype."""
-    check_inputs("mhc_post_res", {"streams": streams, "y": y, "post": post, "comb": comb})
+    """``X'[i] = post[i] * y + sum_j comb[j, i] * X[j]``: ``[B, T, n, C]`` in the streams' dtype. ``comb=None`` is the
+    identity map: ``X'[i] = post[i] * y + X[i]``, without the mixing work."""
+    check_inputs("mhc_post_res", {"streams": streams, "y": y, "post": post,
+                                  **({} if comb is None else {"comb": comb})})
     n = streams.shape[-2]
     if y.shape != streams.shape[:-2] + streams.shape[-1:]:
         raise ValueError(f"mhc_post_res needs y of shape {tuple(streams.shape[:-2] + streams.shape[-1:])}, "
                          f"got {tuple(y.shape)}.")
-    if post.shape != streams.shape[:-1] or comb.shape != streams.shape[:-1] + (n,):
+    if post.shape != streams.shape[:-1] or (comb is not None and comb.shape != streams.shape[:-1] + (n,)):
         raise ValueError(
-            f"mhc_post_res needs post {tuple(streams.shape[:-1])} and comb {tuple(streams.shape[:-1] + (n,))}, "
-            f"got {tuple(post.shape)} and {tuple(comb.shape)}."
+            f"mhc_post_res needs post {tuple(streams.shape[:-1])} and comb {tuple(streams.shape[:-1] + (n,))} "
+            f"(or None), got {tuple(post.shape)} and {None if comb is None else tuple(comb.shape)}."
         )
-    return mhc_post_res_fwd_op(streams, y, post, comb, resolve_backend(backend, streams))
+    identity = comb is None
+    if identity:
+        comb = post.new_empty(0, dtype=torch.float32)
+    return mhc_post_res_fwd_op(streams, y, post, comb, resolve_backend(backend, streams), identity)
 
 
 def mhc_head(

@@ -21,13 +21,13 @@ def _op_cases(n=3, hidden=8):
                    torch.randn((n + 2) * n, requires_grad=True), torch.rand(3, requires_grad=True))
     return [
         (sinkhorn_fwd_op, (torch.randn(2, 3, n, n, requires_grad=True), 5, 1e-6, "torch")),
-        (mhc_coeffs_fwd_op, (streams, *site_params, 5, 1e-6, 1e-6, "torch")),
-        (mhc_coeffs_pre_fwd_op, (streams, *site_params, 5, 1e-6, 1e-6, "torch")),
+        (mhc_coeffs_fwd_op, (streams, *site_params, 5, 1e-6, 1e-6, "torch", "sinkhorn", 2.0)),
+        (mhc_coeffs_pre_fwd_op, (streams, *site_params, 5, 1e-6, 1e-6, "torch", "sinkhorn", 2.0)),
         (mhc_head_fwd_op, (streams, torch.randn(n, n * hidden, requires_grad=True), torch.randn(n, requires_grad=True),
                            torch.rand(1, requires_grad=True), 1e-6, 1e-6, "torch")),
         (mhc_pre_fwd_op, (streams, weights, "torch")),
         (mhc_post_res_fwd_op, (streams, torch.randn(2, 3, hidden, requires_grad=True), weights,
-                               torch.rand(2, 3, n, n, requires_grad=True), "torch")),
+                               torch.rand(2, 3, n, n, requires_grad=True), "torch", False)),
     ]
 
 

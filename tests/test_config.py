@@ -59,6 +59,16 @@ INVALID_VALUES = [
         (dict(hc_init_dynamic_scale=0.0), "hc_init_dynamic_scale must be non-zero"),
         (dict(hc_recompute="yes"), "hc_recompute must be True or False, got 'yes'"),
         (dict(hc_recompute=1), "hc_recompute must be True or False, got 1"),
+        (dict(hc_residual_map="sinkhorn_knopp"),
+         "hc_residual_map must be one of sinkhorn, unconstrained, identity, permutations; got 'sinkhorn_knopp'"),
+        (dict(hc_residual_map=None), "hc_residual_map must be one of .*; got None"),
+        (dict(hc_residual_map="permutations", hc_mult=5),
+         r"hc_residual_map='permutations' supports hc_mult <= 4: .* grows as n! \(24 at n=4, 120 at n=5\); got "
+         r"hc_mult=5"),
+        (dict(hc_post_magnitude=0.0), "hc_post_magnitude must be > 0, got 0.0"),
+        (dict(hc_post_magnitude=math.nan), "hc_post_magnitude must be a finite number, got nan"),
+        (dict(hc_post_magnitude=3.0), "hc_post_magnitude applies to hc_residual_map='identity' only"),
+        (dict(hc_implementation="cuda"), "hc_implementation must be one of auto, reference, torch, triton; got 'cuda'"),
 ]
 
 
@@ -125,7 +135,8 @@ def test_every_value_survives_save_and_reload_and_a_misspelt_saved_key_is_refuse
     (``transformers_version``, ``architectures``, ``auto_map``, ``dtype``) are accepted, an unknown ``hc_*`` key in a
     saved file is refused by name."""
     values = dict(hc_mult=3, hc_sinkhorn_iters=7, hc_eps=2e-5, hc_init="deepseek_v4", hc_init_post_delta=0.25,
-                  hc_init_comb_diag=3, hc_init_dynamic_scale=-0.02, hc_recompute=True)
+                  hc_init_comb_diag=3, hc_init_dynamic_scale=-0.02, hc_recompute=True, hc_residual_map="identity",
+                  hc_post_magnitude=3.0, hc_implementation="torch")
     assert set(values) == set(hc_options())  # a new field must be added here
     backbone = tiny_backbone_config("qwen3", tie_word_embeddings=True, rms_norm_eps=1e-5)
     config = MHCConfig(backbone_config=backbone, architectures=["MHCForCausalLM"], dtype="bfloat16", **values)

@@ -244,10 +244,11 @@ def test_stream_gradients_are_not_views(backend, dtype):
     otherwise every site pays one more stream-sized allocation and pass (measured: +10 % on the site benchmark)."""
     x = torch.randn(1, 6, 4, 16).to(dtype)
     fn, base, scale = random_hc_params(4, 16)
-    y, post, comb, pre, mix, rstd = mhc_coeffs_pre_fwd_op(x, fn, base, scale, ITERS, HC_EPS, NORM_EPS, backend)
-    from_merge = mhc_post_res_bwd_op(x, y, post, comb, torch.randn_like(x), backend)[0]
+    y, post, comb, pre, mix, rstd = mhc_coeffs_pre_fwd_op(x, fn, base, scale, ITERS, HC_EPS, NORM_EPS, backend,
+                                                          "sinkhorn", 2.0)
+    from_merge = mhc_post_res_bwd_op(x, y, post, comb, torch.randn_like(x), backend, False)[0]
     from_entry = mhc_coeffs_pre_bwd_op(x, fn, base, scale, pre, mix, rstd, torch.randn_like(y), torch.rand_like(post),
-                                       torch.rand_like(comb), ITERS, HC_EPS, backend)[0]
+                                       torch.rand_like(comb), ITERS, HC_EPS, backend, "sinkhorn", 2.0)[0]
     assert from_merge._base is None and from_entry._base is None
 
 

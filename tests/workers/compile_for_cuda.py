@@ -55,16 +55,18 @@ def record_launches(n: int, dtype: torch.dtype) -> list[tuple[JITFunction, tuple
     head_mix = torch.zeros(1, tokens, n, dtype=f32)
     sinkhorn_fwd_op(comb, iters, eps, "triton")
     sinkhorn_bwd_op(comb, comb, iters, eps, "triton")
-    mhc_coeffs_fwd_op(streams, fn, base, scale, iters, eps, eps, "triton")
-    mhc_coeffs_bwd_op(streams, fn, base, scale, mix, rstd, weights, weights, comb, iters, eps, "triton")
-    mhc_coeffs_pre_fwd_op(streams, fn, base, scale, iters, eps, eps, "triton")
-    mhc_coeffs_pre_bwd_op(streams, fn, base, scale, weights, mix, rstd, y, weights, comb, iters, eps, "triton")
+    mhc_coeffs_fwd_op(streams, fn, base, scale, iters, eps, eps, "triton", "sinkhorn", 2.0)
+    mhc_coeffs_bwd_op(streams, fn, base, scale, mix, rstd, weights, weights, comb, iters, eps, "triton", "sinkhorn",
+                      2.0)
+    mhc_coeffs_pre_fwd_op(streams, fn, base, scale, iters, eps, eps, "triton", "sinkhorn", 2.0)
+    mhc_coeffs_pre_bwd_op(streams, fn, base, scale, weights, mix, rstd, y, weights, comb, iters, eps, "triton",
+                          "sinkhorn", 2.0)
     mhc_head_fwd_op(streams, *head, eps, eps, "triton")
     mhc_head_bwd_op(streams, *head, weights, head_mix, rstd, y, eps, "triton")
     mhc_pre_fwd_op(streams, weights, "triton")
     mhc_pre_bwd_op(streams, weights, y, "triton")
-    mhc_post_res_fwd_op(streams, y, weights, comb, "triton")
-    mhc_post_res_bwd_op(streams, y, weights, comb, streams, "triton")
+    mhc_post_res_fwd_op(streams, y, weights, comb, "triton", False)
+    mhc_post_res_bwd_op(streams, y, weights, comb, streams, "triton", False)
     return launches
 
 
