@@ -21,13 +21,14 @@ tokenizer (512 tokens, from ``../shared/assets/stories260K``) or bytes (256 toke
 of the tokens are held out; training batches are random blocks of the first 90 %, drawn from ``--seed``.
 
 Optimiser: AdamW (betas 0.9 / 0.95, weight decay 0.1 on matrices), linear warm-up over the first 5 % of the steps,
-then cosine decay to 10 % of ``--lr``; gradients clipped to norm ``--grad-clip`` (the norm logged is the one before
-clipping). Every ``--log-every`` steps it records the training loss (mean over the interval), the held-out loss (16
-fixed held-out blocks), the largest gradient norm of the interval and the composite forward / backward gain of the
-residual maps the model applies (``hf_mhc.diagnostics.stability_report`` on 2 fixed held-out blocks: max absolute
-row / column sum of the product of the maps over depth, max over tokens; the residual baseline's residual map is the
-identity, so its gains are 1 by definition). A loss spike is a step whose loss exceeds twice the median of the
-previous 50 steps' losses; a non-finite loss ends that model's run (``diverged_at_step``).
+then cosine decay to 10 % of ``--lr``; gradients clipped to norm ``--grad-clip`` (default 1; 0 turns clipping off;
+the norm logged is the one before clipping). Every ``--log-every`` steps it records the training loss (mean over the
+interval), the held-out loss (16 fixed held-out blocks), the largest gradient norm of the interval and the composite
+forward / backward gain of the residual maps the model applies (``hf_mhc.diagnostics.stability_report`` on 2 fixed
+held-out blocks: max absolute row / column sum of the product of the maps over depth, max over tokens; the residual
+baseline's residual map is the identity, so its gains are 1 by definition). A loss spike is a step whose loss
+exceeds twice the median of the previous 50 steps' losses (from step 11 on); a non-finite loss ends that model's run
+(``diverged_at_step``).
 
 ``--lr-sweep LR,LR,...`` repeats the whole comparison at each learning rate (the stress test: raise the rate until
 the baseline and unconstrained HC diverge or spike). Progress goes to stderr, the table to stdout; the results are
@@ -194,7 +195,7 @@ def train(variant: str, config: LlamaConfig, data: dict[str, torch.Tensor], args
         start_time = time.perf_counter()
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or math.inf).item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step_seconds.append(time.perf_counter() - start_time)
@@ -266,7 +267,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--lr-sweep", metavar="LR,LR,...", default=None,
                         help="run the whole comparison at each of these learning rates (instead of --lr)")
-    parser.add_argument("--grad-clip", type=float, default=1.0)
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="clip gradients to this norm (0: no clipping)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=64)
@@ -297,6 +298,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise UsageError(f"--lr must be a positive number, got {args.lr}")
+    if not (math.isfinite(args.grad_clip) and args.grad_clip >= 0):
+        raise UsageError(f"--grad-clip must be a norm >= 0 (0: no clipping), got {args.grad_clip}")
     if args.plot is not None:
         if args.plot.suffix.lower() != ".png":
             raise UsageError(f"--plot {args.plot}: expected a .png path")
