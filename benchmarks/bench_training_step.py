@@ -9,8 +9,9 @@ Models, measured side by side in one run (they alternate, so machine noise hits 
 - ``mHC, hf_mhc.kernels``: ``hf_mhc.upcycle`` of it, as the plugin runs it (memory-light torch kernels on CPU,
   Triton on CUDA);
 - ``mHC, hc_recompute``: the same with selective recomputation of the mHC regions;
-- ``mHC, plain formula``: the same model with its three mHC calls swapped for ``hf_mhc.mhc_reference`` (what a
-  checkpoint loaded as remote code without the plugin runs: autograd through the unrolled formula).
+- ``mHC, plain formula``: the same model with ``hc_implementation="reference"``, the plain formula of
+  ``hf_mhc.mhc_reference`` (what a checkpoint loaded as remote code without the plugin runs: autograd through the
+  unrolled formula).
 
 The overhead is each mHC row's time over the residual one, minus 1. Prints each repeat to stderr as it runs, then the
 table; the results are written as JSON only with ``--json PATH`` (otherwise printed after the table).
@@ -28,21 +29,17 @@ from benchlib import add_json_argument, progress, report
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_mhc
-from hf_mhc import mhc_reference, modeling_mhc
 
 
 @contextmanager
-def plain_formula():
-    """Route the model's mHC calls through the reference formula (the remote-code path) while active."""
-    names = ("mhc_coeffs_pre", "mhc_post_res", "mhc_head")
-    plugin_ops = {name: getattr(modeling_mhc, name) for name in names}
-    for name in names:
-        setattr(modeling_mhc, name, getattr(mhc_reference, name))
+def plain_formula(model):
+    """Run the model's mHC maps through the reference formula (the remote-code path) while active."""
+    previous = model.config.hc_implementation
+    model.set_hc_implementation("reference")
     try:
         yield
     finally:
-        for name, op in plugin_ops.items():
-            setattr(modeling_mhc, name, op)
+        model.set_hc_implementation(previous)
 
 
 @contextmanager
@@ -88,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         "residual Llama": lambda: training_step(residual, ids),
         f"mHC n={args.n}, hf_mhc.kernels": lambda: training_step(mhc, ids),
         f"mHC n={args.n}, hc_recompute": lambda: _with(recomputing(mhc, True), training_step, mhc, ids),
-        f"mHC n={args.n}, plain formula": lambda: _with(plain_formula(), training_step, mhc, ids),
+        f"mHC n={args.n}, plain formula": lambda: _with(plain_formula(mhc), training_step, mhc, ids),
     }
     for name, run in runs.items():
         progress(f"warm-up: {name}")

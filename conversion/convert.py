@@ -673,6 +673,9 @@ def model_card(report: ConversionReport, config: MHCConfig, hub_id: str | None) 
     else:
         verified = f"passed: {report.verification.summary()}."
     architecture = (backbone.architectures or [f"{backbone.model_type} causal LM"])[0]
+    residual = {"sinkhorn": f"comb bias = {config.hc_init_comb_diag:g}·I", "unconstrained": "comb = I",
+                "identity": "streams carried by the identity",
+                "permutations": "permutation weights peaked on the identity"}[config.hc_residual_map]
     weights = report.dtype
     if report.quantization is not None:
         weights = (
@@ -691,11 +694,11 @@ def model_card(report: ConversionReport, config: MHCConfig, hub_id: str | None) 
             f"(mHC, arXiv 2512.24880) model with **hc_mult = {config.hc_mult}** residual streams.",
             "",
             f"- **Source:** `{report.source}`",
-            f"- **Streams:** hc_mult = {config.hc_mult}, {config.hc_sinkhorn_iters} Sinkhorn iterations, "
-            f"hc_eps = {config.hc_eps:g}",
+            f"- **Streams:** hc_mult = {config.hc_mult}, residual map `{config.hc_residual_map}`, "
+            f"{config.hc_sinkhorn_iters} Sinkhorn iterations, hc_eps = {config.hc_eps:g}",
             "- **Initialisation:** function-preserving. Every stream starts as a copy of the embedding; "
             f"pre = 1/n; post biases in pairs ±k·{config.hc_init_post_delta:g} with mean(post) = 1; "
-            f"comb bias = {config.hc_init_comb_diag:g}·I; the head averages the streams; the token-dependent part "
+            f"{residual}; the head averages the streams; the token-dependent part "
             f"is off (fn = 0, scale = {config.hc_init_dynamic_scale:g}). Until it is trained the model computes the "
             "source's function.",
             f"- **Weights:** backbone tensors copied under their original names ({weights}); HC tensors float32.",

@@ -28,13 +28,17 @@ def mhc_config_for(backbone_config, hc_mult: int = 4, **hc_options) -> MHCConfig
     return MHCConfig(backbone_config=backbone, hc_mult=hc_mult, **hc_options)
 
 
-def upcycle(model: PreTrainedModel | str | os.PathLike, hc_mult: int = 4, **hc_options) -> MHCForCausalLM:
+def upcycle(model: PreTrainedModel | str | os.PathLike, hc_mult: int = 4, residual_map: str = "sinkhorn",
+            **hc_options) -> MHCForCausalLM:
     """Build an n-stream mHC model from a causal LM of a supported family (``SUPPORTED_BACKBONES``), copying its
     weights.
 
     Args:
         model: a loaded ``*ForCausalLM`` or a path / Hub id that ``AutoModelForCausalLM`` loads.
         hc_mult: number of residual streams.
+        residual_map: ``hc_residual_map``: ``"sinkhorn"`` (mHC), ``"unconstrained"`` (Hyper-Connections),
+            ``"identity"`` (streams carried unmixed, HY-V4) or ``"permutations"`` (mHC-lite, ``hc_mult <= 4``); each
+            has its own function-preserving initialisation.
         **hc_options: other :class:`MHCConfig` fields (``hc_sinkhorn_iters``, ``hc_eps``, ``hc_init_*``,
             ``hc_recompute``). Any other name raises ``ValueError`` with the closest field, before ``model`` is
             loaded.
@@ -44,6 +48,9 @@ def upcycle(model: PreTrainedModel | str | os.PathLike, hc_mult: int = 4, **hc_o
         float32, whose logits equal the source's up to ``hc_eps``.
     """
     check_hc_options(hc_options, "upcycle")
+    if hc_options.setdefault("hc_residual_map", residual_map) != residual_map and residual_map != "sinkhorn":
+        raise ValueError(f"upcycle got residual_map={residual_map!r} and hc_residual_map="
+                         f"{hc_options['hc_residual_map']!r}; give one of them.")
     if isinstance(model, (str, os.PathLike)):
         model = AutoModelForCausalLM.from_pretrained(model)
     if not isinstance(model, PreTrainedModel):

@@ -31,6 +31,7 @@ from . import __version__
 from .conversion import ConversionError, ConversionReport, convert_checkpoint
 from .conversion.convert import DEFAULT_MAX_SHARD_SIZE, DTYPES
 from .conversion.source import looks_like_local_path
+from .mhc_reference import RESIDUAL_MAPS
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -129,6 +130,11 @@ def _setup_convert(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", metavar="OUT", help="folder to create (must not exist or be empty)")
     parser.add_argument("--hc-mult", type=int, default=4, metavar="N", help="number of residual streams (default 4)")
     parser.add_argument(
+        "--residual-map", choices=list(RESIDUAL_MAPS), default="sinkhorn",
+        help="how the streams are mixed: sinkhorn (mHC, default), unconstrained (Hyper-Connections), identity "
+             "(unmixed, HY-V4), permutations (mHC-lite, hc-mult <= 4)",
+    )
+    parser.add_argument(
         "--dtype", choices=list(DTYPES), help="cast the backbone weights (HC weights stay float32); default: keep"
     )
     parser.add_argument(
@@ -213,6 +219,7 @@ def _run_convert(args: argparse.Namespace) -> int:
                 args.src,
                 args.out,
                 hc_mult=args.hc_mult,
+                hc_residual_map=args.residual_map,
                 dtype=args.dtype,
                 overwrite=args.overwrite,
                 verify=args.verify,

@@ -110,7 +110,8 @@ class MHCConfig(PreTrainedConfig):
             are built from it by the family's own transformers classes; `BACKBONE_WIRINGS` says how its sublayers
             meet the residual stream.
         hc_mult (`int`, defaults to 4): number of residual streams `n`, 1 to 8.
-        hc_sinkhorn_iters (`int`, defaults to 20): Sinkhorn-Knopp iterations for `comb`, 1 to 100.
+        hc_sinkhorn_iters (`int`, defaults to 20): Sinkhorn-Knopp iterations for `comb` (the `"sinkhorn"` residual
+            map; the others do not iterate), 1 to 100.
             DeepSeek-V4 uses 20. Each iteration is two normalisations per token per site in forward, replayed in
             backward; the Triton backward recomputes every earlier iterate at each step, so its work grows with
             `iters²` (about 25x the default's at 100). Above 100 the extra accuracy does not pay: measured in float32 on
@@ -132,7 +133,9 @@ class MHCConfig(PreTrainedConfig):
             identical streams would receive identical gradients forever.
         hc_init_comb_diag (`float`, defaults to 2.0):
             `c` in `comb_b = c·I`. 2.0 puts 0.71 of each stream's weight on itself for n = 4 (close to the identity
-            residual) while the softmax stays far from saturation, so `comb` keeps a useful gradient.
+            residual) while the softmax stays far from saturation, so `comb` keeps a useful gradient. The
+            `"permutations"` map starts from the same `comb` (its identity weight is chosen so); `"unconstrained"` and
+            `"identity"` start from `comb = I`.
         hc_init_dynamic_scale (`float`, defaults to 0.01):
             initial `scale` of the dynamic (token-dependent) part. Non-zero so that `fn = 0` gets a gradient;
             small, as in the mHC paper, so that early updates of `fn` perturb the maps gently.
@@ -150,6 +153,8 @@ class MHCConfig(PreTrainedConfig):
             kernels (CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1`), `"torch"` the memory-light torch
             kernels, `"auto"` Triton for CUDA tensors and torch otherwise, `"reference"` the plain formula of
             `mhc_reference.py` (what a checkpoint loaded without the plugin runs). The numbers agree to rounding.
+            A choice of the machine, not of the model: `config.json` does not keep it (a checkpoint saved with
+            `"triton"` still loads where only the reference formula runs).
         hc_recompute (`bool`, defaults to `False`):
             selective recomputation (mHC paper §4.3.2): store, per decoder layer, only the streams entering it and
             the two sublayer outputs; the coefficients, the collapsed sublayer inputs and the streams between the two
@@ -202,6 +207,13 @@ class MHCConfig(PreTrainedConfig):
         else:
             self.backbone_config.tie_word_embeddings = bool(self.tie_word_embeddings)
             self.tie_word_embeddings = bool(self.tie_word_embeddings)
+
+    def to_dict(self) -> dict:
+        """The config as saved in ``config.json``, without ``hc_implementation`` (a runtime choice, as
+        ``attn_implementation`` is)."""
+        output = super().to_dict()
+        output.pop("hc_implementation", None)
+        return output
 
     def _backbone_fields(self) -> set[str]:
         """The settings of the backbone's config class that the mHC config does not have itself."""

@@ -79,7 +79,7 @@ def resolve_hc_ops(implementation: str) -> HCOps:
     if implementation == "reference":
         return REFERENCE_OPS
     try:
-        from hf_mhc import kernels
+        import hf_mhc.kernels as kernels
     except ImportError as error:
         if implementation != "auto":
             raise ImportError(f"hc_implementation={implementation!r} needs hf_mhc.kernels, which failed to import "
@@ -589,6 +589,15 @@ class MHCPreTrainedModel(PreTrainedModel):
         backbone = self.config.backbone_config
         backbone._attn_implementation_internal = self.config._attn_implementation
         backbone._experts_implementation_internal = getattr(self.config, "_experts_implementation_internal", None)
+
+    def set_hc_implementation(self, hc_implementation: str) -> None:
+        """Run the mHC maps of this model through ``hc_implementation`` (``"auto"``, ``"reference"``, ``"torch"`` or
+        ``"triton"``, see :class:`MHCConfig`) from now on; ``config.hc_implementation`` follows."""
+        self.config.hc_implementation = hc_implementation  # checked like a constructor value
+        ops = resolve_hc_ops(hc_implementation)
+        for module in self.modules():
+            if isinstance(module, (MHCHyperConnection, MHCHyperHead)):
+                module.ops = ops
 
     def set_attn_implementation(self, attn_implementation, *args, **kwargs):
         super().set_attn_implementation(attn_implementation, *args, **kwargs)

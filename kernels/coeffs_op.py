@@ -1,11 +1,15 @@
 """Fused mHC coefficients: ``streams -> pre, post, comb`` for a sublayer, ``streams -> pre_h`` for the head.
 
 Forward, one pass over the streams per token block: ``flat @ fn.T`` and the sum of squares together (the reordered
-RMSNorm: ``RMSNorm(flat) @ fn.T == (flat @ fn.T) * rstd``), then sigmoid / 2·sigmoid / softmax +
-Sinkhorn per token in registers, in float32. Saved for backward: the streams (shared with the other ops of the site),
-``mix = RMSNorm(flat) @ fn.T`` (``(n+2)·n`` floats per token) and ``rstd`` (one float per token).
+RMSNorm: ``RMSNorm(flat) @ fn.T == (flat @ fn.T) * rstd``), then the maps per token in registers, in float32:
+sigmoid / 2·sigmoid / softmax + Sinkhorn for mHC, or another residual map (``residual_map``: scaled tanh for
+``"unconstrained"``, no comb for ``"identity"``, a softmax over the ``n!`` permutation matrices for
+``"permutations"``; see ``hf_mhc.mhc_reference.mhc_maps``). Saved for backward: the streams (shared with the other
+ops of the site), ``mix = RMSNorm(flat) @ fn.T`` (``(n+2)·n`` floats per token for mHC) and ``rstd`` (one float per
+token).
 
-Backward: the maps' gradient w.r.t. ``mix`` (Sinkhorn recomputed, see ``sinkhorn_op``), then
+Backward: the maps' gradient w.r.t. ``mix`` (Sinkhorn recomputed, see ``sinkhorn_op``; in torch for
+``"unconstrained"``, whose backward is elementwise), then
 ``d flat = (d mix · rstd) @ fn - (rstd² / D) · <d mix, mix> · flat`` and ``d fn = (d mix · rstd)^T @ flat``.
 The reference for all of it is ``hf_mhc.mhc_reference.mhc_coeffs`` / ``mhc_head``. The head's weights are only used
 through ``coeffs_pre_op`` (coefficients and collapse in one op).
@@ -50,21 +54,35 @@ def _map_offsets(N: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr):
     return vec, vec < N, 2 * N + row * N + col, comb_valid
 
 
+MAP_CODES = {"sinkhorn": 0, "unconstrained": 1, "identity": 2, "permutations": 3}  # the kernels' MAP constexpr
+
+
+@triton.jit
+def _tanh(v):
+    return 2.0 * tl.sigmoid(2.0 * v) - 1.0
+
+
 @triton.jit
 def _mhc_coeffs_fwd_kernel(
-    x_ptr, fn_ptr, base_ptr, scale_ptr, mix_ptr, rstd_ptr, pre_ptr, post_ptr, comb_ptr,
-    T, D, norm_eps, hc_eps,
+    x_ptr, fn_ptr, base_ptr, scale_ptr, perm_ptr, mix_ptr, rstd_ptr, pre_ptr, post_ptr, comb_ptr,
+    T, D, norm_eps, hc_eps, post_magnitude,
     N: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr, N_MIX: tl.constexpr, ITERS: tl.constexpr,
-    HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    HEAD: tl.constexpr, MAP: tl.constexpr, NF: tl.constexpr, N_PERMS: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
+    """``MAP`` (``MAP_CODES``): 0 mHC, 1 unconstrained, 2 identity (no comb columns), 3 permutations (``N_PERMS``
+    weight columns, padded to ``NF``, mixed with the permutation matrices ``perm_ptr [N_PERMS, N*N]``)."""
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     token_ok = tokens < T
     vec, vec_ok, comb_rows, comb_ok = _map_offsets(N, NV, NP)
+    perms = tl.arange(0, NF)
+    perm_ok = perms < N_PERMS
     k_range = tl.arange(0, BLOCK_K)
     sum_sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     acc_pre = tl.zeros((BLOCK_T, NV), dtype=tl.float32)
     acc_post = tl.zeros((BLOCK_T, NV), dtype=tl.float32)
     acc_comb = tl.zeros((BLOCK_T, NP * NP), dtype=tl.float32)
+    acc_weights = tl.zeros((BLOCK_T, NF), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         k = k0 + k_range
         k_ok = k < D
@@ -77,41 +95,76 @@ def _mhc_coeffs_fwd_kernel(
             w_post = tl.load(fn_ptr + (N + vec)[None, :] * D + k[:, None], mask=vec_ok[None, :] & k_ok[:, None],
                              other=0.0)
             acc_post += tl.dot(x, w_post.to(tl.float32), input_precision="ieee")
-            w_comb = tl.load(fn_ptr + comb_rows[None, :] * D + k[:, None], mask=comb_ok[None, :] & k_ok[:, None],
-                             other=0.0)
-            acc_comb += tl.dot(x, w_comb.to(tl.float32), input_precision="ieee")
+            if MAP <= 1:
+                w_comb = tl.load(fn_ptr + comb_rows[None, :] * D + k[:, None], mask=comb_ok[None, :] & k_ok[:, None],
+                                 other=0.0)
+                acc_comb += tl.dot(x, w_comb.to(tl.float32), input_precision="ieee")
+            if MAP == 3:
+                w_weights = tl.load(fn_ptr + (2 * N + perms)[None, :] * D + k[:, None],
+                                    mask=perm_ok[None, :] & k_ok[:, None], other=0.0)
+                acc_weights += tl.dot(x, w_weights.to(tl.float32), input_precision="ieee")
     rstd = 1.0 / tl.sqrt(sum_sq / D + norm_eps)
     tl.store(rstd_ptr + tokens, rstd, mask=token_ok)
 
     pre_mask = token_ok[:, None] & vec_ok[None, :]
     mix_pre = acc_pre * rstd[:, None]
     tl.store(mix_ptr + tokens[:, None] * N_MIX + vec[None, :], mix_pre, mask=pre_mask)
-    pre_z = mix_pre * tl.load(scale_ptr) + tl.load(base_ptr + vec, mask=vec_ok, other=0.0)[None, :]
-    tl.store(pre_ptr + tokens[:, None] * N + vec[None, :], tl.sigmoid(pre_z) + hc_eps, mask=pre_mask)
+    pre_b = tl.load(base_ptr + vec, mask=vec_ok, other=0.0)[None, :]
+    if MAP == 1 and not HEAD:
+        pre = tl.load(scale_ptr) * _tanh(mix_pre) + pre_b
+    else:
+        pre = tl.sigmoid(mix_pre * tl.load(scale_ptr) + pre_b) + hc_eps
+    tl.store(pre_ptr + tokens[:, None] * N + vec[None, :], pre, mask=pre_mask)
     if not HEAD:
         mix_post = acc_post * rstd[:, None]
         tl.store(mix_ptr + tokens[:, None] * N_MIX + (N + vec)[None, :], mix_post, mask=pre_mask)
-        post_z = mix_post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + vec, mask=vec_ok, other=0.0)[None, :]
-        tl.store(post_ptr + tokens[:, None] * N + vec[None, :], 2.0 * tl.sigmoid(post_z), mask=pre_mask)
+        post_b = tl.load(base_ptr + N + vec, mask=vec_ok, other=0.0)[None, :]
+        if MAP == 1:
+            post = tl.load(scale_ptr + 1) * _tanh(mix_post) + post_b
+        elif MAP == 2:
+            post = post_magnitude * tl.sigmoid(mix_post * tl.load(scale_ptr + 1) + post_b) + hc_eps
+        else:
+            post = 2.0 * tl.sigmoid(mix_post * tl.load(scale_ptr + 1) + post_b)
+        tl.store(post_ptr + tokens[:, None] * N + vec[None, :], post, mask=pre_mask)
 
         comb_mask = token_ok[:, None] & comb_ok[None, :]
-        mix_comb = acc_comb * rstd[:, None]
-        tl.store(mix_ptr + tokens[:, None] * N_MIX + comb_rows[None, :], mix_comb, mask=comb_mask)
-        logits = mix_comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + comb_rows, mask=comb_ok, other=0.0)[None, :]
-        comb = sinkhorn_tile_forward(tl.reshape(logits, (BLOCK_T, NP, NP)), tl.reshape(comb_ok, (1, NP, NP)), hc_eps,
-                                     ITERS)
         comb_offsets = (comb_rows - 2 * N)[None, :] + tokens[:, None] * (N * N)
-        tl.store(comb_ptr + comb_offsets, tl.reshape(comb, (BLOCK_T, NP * NP)), mask=comb_mask)
+        if MAP <= 1:
+            mix_comb = acc_comb * rstd[:, None]
+            tl.store(mix_ptr + tokens[:, None] * N_MIX + comb_rows[None, :], mix_comb, mask=comb_mask)
+            comb_b = tl.load(base_ptr + comb_rows, mask=comb_ok, other=0.0)[None, :]
+            if MAP == 0:
+                logits = mix_comb * tl.load(scale_ptr + 2) + comb_b
+                comb = tl.reshape(sinkhorn_tile_forward(tl.reshape(logits, (BLOCK_T, NP, NP)),
+                                                        tl.reshape(comb_ok, (1, NP, NP)), hc_eps, ITERS),
+                                  (BLOCK_T, NP * NP))
+            else:
+                comb = tl.load(scale_ptr + 2) * _tanh(mix_comb) + comb_b
+            tl.store(comb_ptr + comb_offsets, comb, mask=comb_mask)
+        if MAP == 3:
+            mix_weights = acc_weights * rstd[:, None]
+            tl.store(mix_ptr + tokens[:, None] * N_MIX + (2 * N + perms)[None, :], mix_weights,
+                     mask=token_ok[:, None] & perm_ok[None, :])
+            z = mix_weights * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + perms, mask=perm_ok, other=0.0)
+            z = tl.where(perm_ok[None, :], z, -1.0e30)
+            e = tl.where(perm_ok[None, :], tl.exp(z - tl.max(z, axis=1)[:, None]), 0.0)
+            weights = e / tl.sum(e, axis=1)[:, None]
+            pair = comb_rows - 2 * N  # row * N + col of the real entries
+            matrices = tl.load(perm_ptr + perms[:, None] * (N * N) + pair[None, :],
+                               mask=perm_ok[:, None] & comb_ok[None, :], other=0.0)  # [NF, NP*NP]
+            comb = tl.dot(weights, matrices, input_precision="ieee")
+            tl.store(comb_ptr + comb_offsets, comb, mask=comb_mask)
 
 
 @triton.jit
 def _mhc_coeffs_bwd_maps_kernel(
-    mix_ptr, base_ptr, scale_ptr, grad_pre_ptr, grad_post_ptr, grad_comb_ptr, grad_z_ptr,
-    T, hc_eps,
+    mix_ptr, base_ptr, scale_ptr, perm_ptr, grad_pre_ptr, grad_post_ptr, grad_comb_ptr, grad_z_ptr,
+    T, hc_eps, post_magnitude,
     N: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr, N_MIX: tl.constexpr, ITERS: tl.constexpr,
-    HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    HEAD: tl.constexpr, MAP: tl.constexpr, NF: tl.constexpr, N_PERMS: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """``grad_z``: gradient w.r.t. the pre-activations ``z = mix * scale + base``, laid out like ``mix``."""
+    """``grad_z``: gradient w.r.t. the pre-activations ``z = mix * scale + base``, laid out like ``mix``, for the maps
+    that are functions of ``z`` (``MAP`` 0 mHC, 2 identity, 3 permutations; see ``_mhc_coeffs_fwd_kernel``)."""
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     token_ok = tokens < T
     vec, vec_ok, comb_rows, comb_ok = _map_offsets(N, NV, NP)
@@ -125,19 +178,39 @@ def _mhc_coeffs_bwd_maps_kernel(
         post_bias = tl.load(base_ptr + N + vec, mask=vec_ok, other=0.0)
         sig = tl.sigmoid(mix_post * tl.load(scale_ptr + 1) + post_bias[None, :])
         grad_post = tl.load(grad_post_ptr + tokens[:, None] * N + vec[None, :], mask=pre_mask, other=0.0)
-        tl.store(grad_z_ptr + tokens[:, None] * N_MIX + (N + vec)[None, :], 2.0 * grad_post * sig * (1.0 - sig),
-                 mask=pre_mask)
+        magnitude = post_magnitude if MAP == 2 else 2.0
+        tl.store(grad_z_ptr + tokens[:, None] * N_MIX + (N + vec)[None, :],
+                 magnitude * grad_post * sig * (1.0 - sig), mask=pre_mask)
 
         comb_mask = token_ok[:, None] & comb_ok[None, :]
-        mix_comb = tl.load(mix_ptr + tokens[:, None] * N_MIX + comb_rows[None, :], mask=comb_mask, other=0.0)
-        logits = mix_comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + comb_rows, mask=comb_ok, other=0.0)[None, :]
         comb_offsets = (comb_rows - 2 * N)[None, :] + tokens[:, None] * (N * N)
-        grad_comb = tl.load(grad_comb_ptr + comb_offsets, mask=comb_mask, other=0.0)
-        grad_logits = sinkhorn_tile_backward(tl.reshape(logits, (BLOCK_T, NP, NP)),
-                                             tl.reshape(grad_comb, (BLOCK_T, NP, NP)),
-                                             tl.reshape(comb_ok, (1, NP, NP)), hc_eps, ITERS)
-        tl.store(grad_z_ptr + tokens[:, None] * N_MIX + comb_rows[None, :],
-                 tl.reshape(grad_logits, (BLOCK_T, NP * NP)), mask=comb_mask)
+        if MAP == 0:
+            mix_comb = tl.load(mix_ptr + tokens[:, None] * N_MIX + comb_rows[None, :], mask=comb_mask, other=0.0)
+            comb_b = tl.load(base_ptr + comb_rows, mask=comb_ok, other=0.0)[None, :]
+            logits = mix_comb * tl.load(scale_ptr + 2) + comb_b
+            grad_comb = tl.load(grad_comb_ptr + comb_offsets, mask=comb_mask, other=0.0)
+            grad_logits = sinkhorn_tile_backward(tl.reshape(logits, (BLOCK_T, NP, NP)),
+                                                 tl.reshape(grad_comb, (BLOCK_T, NP, NP)),
+                                                 tl.reshape(comb_ok, (1, NP, NP)), hc_eps, ITERS)
+            tl.store(grad_z_ptr + tokens[:, None] * N_MIX + comb_rows[None, :],
+                     tl.reshape(grad_logits, (BLOCK_T, NP * NP)), mask=comb_mask)
+        if MAP == 3:  # comb = w @ P with w = softmax(z): d w = d comb @ P^T, then the softmax's backward
+            perms = tl.arange(0, NF)
+            perm_ok = perms < N_PERMS
+            weight_mask = token_ok[:, None] & perm_ok[None, :]
+            mix_weights = tl.load(mix_ptr + tokens[:, None] * N_MIX + (2 * N + perms)[None, :], mask=weight_mask,
+                                  other=0.0)
+            z = mix_weights * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + perms, mask=perm_ok, other=0.0)
+            z = tl.where(perm_ok[None, :], z, -1.0e30)
+            e = tl.where(perm_ok[None, :], tl.exp(z - tl.max(z, axis=1)[:, None]), 0.0)
+            weights = e / tl.sum(e, axis=1)[:, None]
+            pair = comb_rows - 2 * N
+            matrices_t = tl.load(perm_ptr + perms[None, :] * (N * N) + pair[:, None],
+                                 mask=perm_ok[None, :] & comb_ok[:, None], other=0.0)  # [NP*NP, NF]
+            grad_comb = tl.load(grad_comb_ptr + comb_offsets, mask=comb_mask, other=0.0)
+            grad_weights = tl.dot(grad_comb, matrices_t, input_precision="ieee")
+            grad_z = weights * (grad_weights - tl.sum(grad_weights * weights, axis=1)[:, None])
+            tl.store(grad_z_ptr + tokens[:, None] * N_MIX + (2 * N + perms)[None, :], grad_z, mask=weight_mask)
 
 
 @triton.jit
@@ -175,11 +248,13 @@ def _mhc_coeffs_bwd_streams_kernel(
 # --- launchers and torch implementations ------------------------------------------------------------------------
 
 
-def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head):
+def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head, residual_map="sinkhorn",
+                           post_magnitude=2.0):
     n, hidden = streams.shape[-2:]
     x = streams.reshape(-1, n * hidden).contiguous()
     tokens = x.shape[0]
-    n_mix = n if head else (n + 2) * n
+    n_mix = fn.shape[0]
+    n_perms = mhc_reference.map_sizes(n, residual_map)[2] if residual_map == "permutations" else 0
     lead = streams.shape[:-2]
 
     def per_token(*shape):  # allocated in the final shape: the results are not views (FSDP2 units, autograd)
@@ -187,12 +262,17 @@ def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head)
 
     mix, rstd, pre = per_token(n_mix), per_token(), per_token(n)
     post = x.new_empty(0, dtype=torch.float32) if head else per_token(n)
-    comb = x.new_empty(0, dtype=torch.float32) if head else per_token(n, n)
+    comb = x.new_empty(0, dtype=torch.float32) if head or residual_map == "identity" else per_token(n, n)
+    if n_perms:
+        perms = mhc_reference.permutation_matrices(n, x.device).flatten(1).contiguous()
+    else:
+        perms = x.new_empty(0, dtype=torch.float32)
     grid, block = launch_grid(tokens, COEFFS_BLOCK_T)
     _mhc_coeffs_fwd_kernel[grid](
-        x, fn.contiguous(), base.float().contiguous(), scale.float().contiguous(), mix, rstd, pre, post, comb,
-        tokens, n * hidden, norm_eps, eps,
+        x, fn.contiguous(), base.float().contiguous(), scale.float().contiguous(), perms, mix, rstd, pre, post, comb,
+        tokens, n * hidden, norm_eps, eps, float(post_magnitude),
         N=n, NV=_vector_width(n), NP=padded_streams(n), N_MIX=n_mix, ITERS=iters, HEAD=head,
+        MAP=MAP_CODES[residual_map], NF=max(16, triton.next_power_of_2(max(n_perms, 1))), N_PERMS=n_perms,
         BLOCK_T=block, BLOCK_K=_block_k(n_mix),
     )
     if head:
@@ -245,22 +325,7 @@ def _grad_z_torch(mix, base, scale, grads, iters, eps, head, residual_map="sinkh
     return torch.cat(grad_z, dim=-1)
 
 
-def _maps_backward_torch(mix, base, scale, grads, iters, eps, head, residual_map, post_magnitude):
-    """``(d mix, d base, d scale)`` from the gradients of the maps, in plain torch."""
-    n = grads[0].shape[-1]
-    sizes = _map_sizes(n, head, residual_map)
-    per_column = _per_column(scale, n, head, residual_map)
-    if residual_map == "unconstrained" and not head:  # map = scale * tanh(mix) + base
-        grad_map = torch.cat([grads[0].float(), grads[1].float(), grads[2].float().flatten(-2)], dim=-1)
-        tanh = torch.tanh(mix)
-        grad_scale = torch.stack([part.sum() for part in (grad_map * tanh).split(sizes, dim=-1)])
-        return grad_map * per_column * (1 - tanh.square()), grad_map.reshape(-1, mix.shape[-1]).sum(0), grad_scale
-    grad_z = _grad_z_torch(mix, base, scale, grads, iters, eps, head, residual_map, post_magnitude)
-    grad_scale = torch.stack([part.sum() for part in (grad_z * mix).split(sizes, dim=-1)])
-    return grad_z * per_column, grad_z.reshape(-1, mix.shape[-1]).sum(0), grad_scale
-
-
-def _grad_z_triton(mix, base, scale, grads, iters, eps, head):
+def _grad_z_triton(mix, base, scale, grads, iters, eps, head, residual_map="sinkhorn", post_magnitude=2.0):
     n_mix = mix.shape[-1]
     n = grads[0].shape[-1]
     mix2d = mix.reshape(-1, n_mix).contiguous()
@@ -269,12 +334,16 @@ def _grad_z_triton(mix, base, scale, grads, iters, eps, head):
     empty = torch.empty(0, device=mix.device, dtype=torch.float32)
     grad_pre = grads[0].reshape(tokens, n).float().contiguous()
     grad_post = empty if head else grads[1].reshape(tokens, n).float().contiguous()
-    grad_comb = empty if head else grads[2].reshape(tokens, n * n).float().contiguous()
+    has_comb = not head and residual_map != "identity"
+    grad_comb = grads[2].reshape(tokens, n * n).float().contiguous() if has_comb else empty
+    n_perms = n_mix - 2 * n if residual_map == "permutations" and not head else 0
+    perms = mhc_reference.permutation_matrices(n, mix.device).flatten(1).contiguous() if n_perms else empty
     grid, block = launch_grid(tokens, COEFFS_BLOCK_T)
     _mhc_coeffs_bwd_maps_kernel[grid](
-        mix2d, base.float().contiguous(), scale.float().contiguous(), grad_pre, grad_post, grad_comb, grad_z,
-        tokens, eps, N=n, NV=_vector_width(n), NP=padded_streams(n), N_MIX=n_mix, ITERS=iters, HEAD=head,
-        BLOCK_T=block,
+        mix2d, base.float().contiguous(), scale.float().contiguous(), perms, grad_pre, grad_post, grad_comb, grad_z,
+        tokens, eps, float(post_magnitude), N=n, NV=_vector_width(n), NP=padded_streams(n), N_MIX=n_mix,
+        ITERS=iters, HEAD=head, MAP=MAP_CODES[residual_map], NF=max(16, triton.next_power_of_2(max(n_perms, 1))),
+        N_PERMS=n_perms, BLOCK_T=block,
     )
     return grad_z.view(mix.shape)
 
@@ -333,18 +402,25 @@ def _streams_and_fn_grad_triton(streams, fn, grad_raw, correction, collapse):
 def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, backend, head, collapse=None,
                     residual_map="sinkhorn", post_magnitude=2.0):
     """``(d streams, d fn, d base, d scale)`` from the gradients of the maps (``pre[, post, comb]``). ``collapse =
-    (pre, d y)`` adds the ``pre`` collapse's own stream gradient ``pre[i] · d y`` in the same pass. The maps' part
-    runs in the Triton kernel for mHC (and the head), in torch for the other residual maps (per-token tensors of
-    ``mix``'s size); the stream-sized pass runs on ``backend`` for all."""
+    (pre, d y)`` adds the ``pre`` collapse's own stream gradient ``pre[i] · d y`` in the same pass.
+
+    Every map is ``act(mix) · scale + base`` followed by a function of it: ``grad_z`` is the gradient w.r.t. that
+    sum (``act`` is the identity and the function sigmoid / softmax / Sinkhorn, except for ``"unconstrained"``, where
+    ``act = tanh`` and nothing follows, so ``grad_z`` is the maps' own gradient)."""
     n, hidden = streams.shape[-2:]
-    if backend == "triton" and (head or residual_map == "sinkhorn"):
-        grad_z = _grad_z_triton(mix, base, scale, grads, iters, eps, head)
-        grad_mix = grad_z * _per_column(scale, n, head)
-        grad_base = grad_z.reshape(-1, mix.shape[-1]).sum(0)
-        grad_scale = torch.stack([part.sum() for part in (grad_z * mix).split(_map_sizes(n, head), dim=-1)])
+    sizes = _map_sizes(n, head, residual_map)
+    per_column = _per_column(scale, n, head, residual_map)
+    if residual_map == "unconstrained" and not head:
+        grad_z = torch.cat([grads[0].float(), grads[1].float(), grads[2].float().flatten(-2)], dim=-1)
+        act = torch.tanh(mix)
+        grad_mix = grad_z * per_column * (1 - act.square())
     else:
-        grad_mix, grad_base, grad_scale = _maps_backward_torch(mix, base, scale, grads, iters, eps, head,
-                                                               residual_map, post_magnitude)
+        grad_z = (_grad_z_triton if backend == "triton" else _grad_z_torch)(mix, base, scale, grads, iters, eps, head,
+                                                                            residual_map, post_magnitude)
+        act = mix
+        grad_mix = grad_z * per_column
+    grad_base = grad_z.reshape(-1, mix.shape[-1]).sum(0)
+    grad_scale = torch.stack([part.sum() for part in (grad_z * act).split(sizes, dim=-1)])
     grad_raw = grad_mix * rstd.unsqueeze(-1)
     correction = -(rstd.square() / (n * hidden)) * (grad_mix * mix).sum(-1)
     grad_streams, grad_fn = (_streams_and_fn_grad_triton if backend == "triton" else _streams_and_fn_grad_torch)(
@@ -357,10 +433,10 @@ def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, back
 def coeffs_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, head, residual_map="sinkhorn",
                    post_magnitude=2.0):
     """``(pre, post, comb, mix, rstd)`` for a sublayer (``comb`` empty for the identity map), ``(pre_h, mix, rstd)``
-    for the head. mHC and the head run in one Triton kernel on ``backend="triton"``; the other residual maps take
-    the projection and the maps from torch (a matmul and per-token tensors of ``mix``'s size)."""
-    if backend == "triton" and (head or residual_map == "sinkhorn"):
-        return _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head)
+    for the head: one fused Triton kernel for every residual map on ``backend="triton"``."""
+    if backend == "triton":
+        return _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head, residual_map,
+                                      post_magnitude)
     mix, rstd = _mix_torch(streams, fn, norm_eps)
     if head:
         return mhc_reference.mhc_head_weights(mix, base, scale, eps=eps), mix, rstd

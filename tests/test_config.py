@@ -136,16 +136,19 @@ def test_every_value_survives_save_and_reload_and_a_misspelt_saved_key_is_refuse
     saved file is refused by name."""
     values = dict(hc_mult=3, hc_sinkhorn_iters=7, hc_eps=2e-5, hc_init="deepseek_v4", hc_init_post_delta=0.25,
                   hc_init_comb_diag=3, hc_init_dynamic_scale=-0.02, hc_recompute=True, hc_residual_map="identity",
-                  hc_post_magnitude=3.0, hc_implementation="torch")
-    assert set(values) == set(hc_options())  # a new field must be added here
+                  hc_post_magnitude=3.0)
+    assert set(values) | {"hc_implementation"} == set(hc_options())  # a new field must be added here
     backbone = tiny_backbone_config("qwen3", tie_word_embeddings=True, rms_norm_eps=1e-5)
-    config = MHCConfig(backbone_config=backbone, architectures=["MHCForCausalLM"], dtype="bfloat16", **values)
+    config = MHCConfig(backbone_config=backbone, architectures=["MHCForCausalLM"], dtype="bfloat16",
+                       hc_implementation="triton", **values)
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
+    assert "hc_implementation" not in saved  # the machine's choice, like attn_implementation: loads as "auto"
     for loaded in (AutoConfig.from_pretrained(tmp_path), MHCConfig.from_pretrained(tmp_path),
                    MHCConfig.from_dict(saved)):
         assert isinstance(loaded, MHCConfig)
         assert {name: getattr(loaded, name) for name in values} == values
+        assert loaded.hc_implementation == "auto"
         assert type(loaded.hc_init_comb_diag) is int and type(loaded.hc_recompute) is bool
         assert loaded.backbone_config.to_dict() == config.backbone_config.to_dict()
         assert loaded.tie_word_embeddings is True and loaded.architectures == ["MHCForCausalLM"]

@@ -136,3 +136,67 @@ def test_function_preserving_hc_tensors_match_the_model_init():
     assert set(tensors) == {name for name in state if hf_mhc.conversion.is_hc_parameter(name)}
     for name, tensor in tensors.items():
         assert torch.equal(state[name], tensor), name
+
+
+RESIDUAL_MAP_CASES = [(residual_map, n) for residual_map in ("unconstrained", "identity", "permutations")
+                      for n in ((1, 2, 3, 4) if residual_map == "permutations" else (1, 2, 3, 4, 8))]
+
+
+@pytest.mark.parametrize(("residual_map", "hc_mult"), RESIDUAL_MAP_CASES)
+@pytest.mark.parametrize("family", ["llama", "olmo2", "granite"])
+def test_every_residual_map_upcycles_to_the_source_logits(family, residual_map, hc_mult):
+    """Each map's function-preserving start (``fn = 0``, biases making ``pre = 1/n``, ``mean(post) = 1`` and rows of
+    ``comb`` summing to 1) reproduces the source, also with post-norms (OLMo 2) and residual multipliers (Granite)."""
+    source = source_model(family, tied=False)
+    mhc = hf_mhc.upcycle(source, hc_mult=hc_mult, residual_map=residual_map).eval()
+    assert mhc.config.hc_residual_map == residual_map
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(mhc(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+    # The token-dependent part is off but trainable: fn = 0 with a non-zero scale, so fn gets a gradient.
+    mhc.train()
+    mhc(ids, labels=ids).loss.backward()
+    assert mhc.model.layers[0].ffn_hc.fn.grad.abs().sum() > 0 or hc_mult == 1
+
+
+@pytest.mark.parametrize("residual_map", ["unconstrained", "identity", "permutations"])
+def test_function_preserving_init_of_each_map_gives_its_stated_values(residual_map):
+    """``pre = 1/n``, every stream its own ``post`` with mean 1, and ``comb``: the identity (unconstrained, identity)
+    or a doubly stochastic matrix with mHC's starting diagonal (permutations)."""
+    n = 4
+    mhc = hf_mhc.upcycle(source_model("llama", tied=False), hc_mult=n, residual_map=residual_map,
+                         **({"hc_post_magnitude": 3.0} if residual_map == "identity" else {}))
+    site = mhc.model.layers[1].attn_hc
+    pre, post, comb = (m[0, 0] for m in site.maps(torch.randn(1, 1, n, 32)))
+    torch.testing.assert_close(pre, torch.full((n,), 1.0 / n), atol=1e-7, rtol=0)
+    assert len(set(post.tolist())) == n and abs(post.mean().item() - 1.0) < 1e-6
+    if residual_map == "permutations":
+        sinkhorn_start = torch.softmax(mhc.config.hc_init_comb_diag * torch.eye(n), dim=-1)
+        torch.testing.assert_close(comb, sinkhorn_start, atol=1e-6, rtol=0)
+    else:
+        torch.testing.assert_close(comb, torch.eye(n), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("residual_map", ["unconstrained", "identity", "permutations"])
+def test_every_residual_map_gives_the_function_preserving_hc_tensors_of_its_init(residual_map):
+    from hf_mhc.modeling_mhc import function_preserving_hc_tensors
+
+    config = hf_mhc.upcycle(source_model("qwen2", tied=True), hc_mult=3, residual_map=residual_map).config
+    state = MHCForCausalLM(config).state_dict()
+    for name, tensor in function_preserving_hc_tensors(config).items():
+        assert torch.equal(state[name], tensor), name
+
+
+@pytest.mark.skipif(not STORIES260K.is_dir(), reason="../shared/assets/stories260K is not present")
+@pytest.mark.parametrize("residual_map", ["unconstrained", "identity", "permutations"])
+def test_real_pretrained_llama_upcycles_exactly_with_each_residual_map(residual_map):
+    source = AutoModelForCausalLM.from_pretrained(STORIES260K).eval()
+    mhc = hf_mhc.upcycle(source, hc_mult=4, residual_map=residual_map).eval()
+    ids = torch.randint(3, source.config.vocab_size, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(mhc(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_upcycle_refuses_two_different_residual_maps():
+    with pytest.raises(ValueError, match="upcycle got residual_map='identity' and hc_residual_map='permutations'"):
+        hf_mhc.upcycle(source_model("llama", tied=False), residual_map="identity", hc_residual_map="permutations")

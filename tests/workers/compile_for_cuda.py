@@ -42,6 +42,7 @@ def record_launches(n: int, dtype: torch.dtype) -> list[tuple[JITFunction, tuple
     from hf_mhc.kernels.post_res_op import mhc_post_res_bwd_op, mhc_post_res_fwd_op
     from hf_mhc.kernels.pre_op import mhc_pre_bwd_op, mhc_pre_fwd_op
     from hf_mhc.kernels.sinkhorn_op import sinkhorn_bwd_op, sinkhorn_fwd_op
+    from hf_mhc.mhc_reference import MAX_PERMUTATION_STREAMS, map_sizes, scale_size
 
     launches = []
     JITFunction.run = lambda self, *args, grid, warmup, **kwargs: launches.append((self, args, kwargs))
@@ -67,6 +68,17 @@ def record_launches(n: int, dtype: torch.dtype) -> list[tuple[JITFunction, tuple
     mhc_pre_bwd_op(streams, weights, y, "triton")
     mhc_post_res_fwd_op(streams, y, weights, comb, "triton", False)
     mhc_post_res_bwd_op(streams, y, weights, comb, streams, "triton", False)
+    for residual_map in ("unconstrained", "identity", "permutations"):  # the other residual maps' launches
+        if residual_map == "permutations" and n > MAX_PERMUTATION_STREAMS:
+            continue
+        rows = sum(map_sizes(n, residual_map))
+        params = torch.zeros(rows, n * hidden), torch.zeros(rows), torch.ones(scale_size(residual_map))
+        map_comb = torch.zeros(0) if residual_map == "identity" else comb
+        mhc_coeffs_fwd_op(streams, *params, iters, eps, eps, "triton", residual_map, 2.0)
+        mhc_coeffs_bwd_op(streams, *params, torch.zeros(1, tokens, rows), rstd, weights, weights, map_comb, iters, eps,
+                          "triton", residual_map, 2.0)
+    mhc_post_res_fwd_op(streams, y, weights, torch.zeros(0), "triton", True)
+    mhc_post_res_bwd_op(streams, y, weights, torch.zeros(0), streams, "triton", True)
     return launches
 
 
