@@ -352,6 +352,13 @@ def test_inspect_cli_prints_the_table_for_a_checkpoint_without_tokenizer(tmp_pat
     assert report["hc_mult"] == 3 and len(report["sites"]) == 6 and report["num_tokens"] == 64
 
 
+def test_inspect_cli_names_the_variant_of_a_saved_checkpoint(tmp_path, capsys):
+    randomize_hc(mhc_model(hc_mult=2, hc_residual_map="unconstrained")).save_pretrained(tmp_path / "hc")
+    assert inspect_main([str(tmp_path / "hc"), "--json", str(tmp_path / "report.json")]) == 0
+    assert "mHC stability report (unconstrained residual maps): n = 2 streams" in capsys.readouterr().out
+    assert json.loads((tmp_path / "report.json").read_text())["hc_residual_map"] == "unconstrained"
+
+
 def test_inspect_arguments_plug_into_a_subcommand_parser(tmp_path, capsys):
     import argparse
 
