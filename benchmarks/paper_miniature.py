@@ -352,7 +352,7 @@ def plot(runs: dict[str, dict[str, dict]], path: Path, title: str) -> None:
         norm_axis.set_ylabel("gradient norm")
         norm_axis.set_yscale("log")
         gain_axis.set_title("composite gain of the residual maps over depth")
-        gain_axis.set_ylabel("max |row| / |column| sum (max over tokens)")
+        gain_axis.set_ylabel("max absolute row / column sum (max over tokens)")
         gain_axis.set_yscale("log")
         for axis in row:
             axis.set_xlabel("training step")

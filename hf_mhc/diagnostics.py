@@ -387,7 +387,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"mHC stability report ({report['hc_residual_map']} residual maps): n = {report['hc_mult']} streams, "
         f"{report['num_layers']} layers, {report['num_tokens']} tokens",
-        "gains of the residual mixing X' = comb^T X per token (fwd: max |row sum|, bwd: max |column sum|; "
+        "gains of the residual mixing X' = comb^T X per token (fwd: max_i sum_j |M_ij|, bwd: max_j sum_i |M_ij|; "
         "max / mean over tokens); cum: product from the embedding through the site; |row-1|, |col-1|: largest "
         "deviation of comb's row / column sums from 1; cos: mean pairwise cosine similarity of the streams entering "
         "the site (1 = collapsed)",
