@@ -2,9 +2,12 @@
 
 Every HC site (the attention and the FFN sublayer of each layer) mixes the ``n`` residual streams with
 ``X' = comb^T X`` (plus the sublayer output). Per token, the residual path through the network is the product of
-those mixing maps; the paper measures it by its *forward gain* (max absolute row sum, how much a signal can grow
-on the way up) and *backward gain* (max absolute column sum, how much a gradient can grow on the way down). For
-doubly stochastic ``comb`` both are 1 however deep the network; unconstrained hyper-connections reach thousands.
+those mixing maps; the paper measures it by its *forward gain* (max absolute row sum ``max_i sum_j |M_ij|``, how much
+a signal can grow on the way up) and *backward gain* (max absolute column sum ``max_j sum_i |M_ij|``, how much a
+gradient can grow on the way down). The maps measured are those the model's residual-map variant
+(``config.hc_residual_map``) applies, whatever their signs and sums: for doubly stochastic ``comb`` (``"sinkhorn"``,
+``"permutations"``) both gains are 1 however deep the network, for ``"identity"`` exactly 1, while unconstrained
+hyper-connections (``"unconstrained"``) are not bounded and reach thousands in the paper.
 
 :func:`stability_report` measures, per site and for the composite over depth, those gains (max and mean over
 tokens), how far ``comb``'s row and column sums are from 1, how alike the streams are (mean pairwise cosine
@@ -35,6 +38,7 @@ SUBLAYER_NAMES: tuple[str, ...] = ("attn", "ffn")
 HC_SITE_CLASS = "MHCHyperConnection"
 HC_HEAD_CLASS = "MHCHyperHead"
 SCALAR_PREFIX = "mhc/"
+DEFAULT_RESIDUAL_MAP = "sinkhorn"
 
 # Per-site scalars of the report, in table order.
 SITE_SCALARS: tuple[str, ...] = (
@@ -139,6 +143,16 @@ def capture_hc_maps(model: nn.Module) -> Iterator[HCCapture]:
             handle.remove()
 
 
+def residual_map_of(model: nn.Module) -> str:
+    """The residual-map variant (``config.hc_residual_map``: ``"sinkhorn"``, ``"unconstrained"``, ...) the HC sites of
+    ``model`` apply, read from their config (so PEFT-wrapped and remote-code models work)."""
+    sites = _modules_of_class(model, HC_SITE_CLASS)
+    if not sites:
+        raise ValueError(f"{type(model).__name__} has no {HC_SITE_CLASS} modules: not an mHC model.")
+    # A config from before the option existed has no such field: its maps are Sinkhorn ones, the only kind then.
+    return getattr(sites[0].config, "hc_residual_map", DEFAULT_RESIDUAL_MAP)
+
+
 def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -157,7 +171,8 @@ def _token_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) ->
 
 
 def _gains(applied: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token forward gain (max absolute row sum) and backward gain (max absolute column sum) of ``[N, n, n]``."""
+    """Per-token forward gain (max absolute row sum, ``max_i sum_j |M_ij|``) and backward gain (max absolute column
+    sum, ``max_j sum_i |M_ij|``) of ``applied [N, n, n]``; signed entries count with their magnitudes."""
     magnitude = applied.abs()
     return magnitude.sum(-1).amax(-1), magnitude.sum(-2).amax(-1)
 
@@ -185,11 +200,13 @@ def stability_report(
     Returns:
         A dict with
 
-        - ``"hc_mult"`` (n), ``"num_layers"``, ``"num_tokens"`` (tokens measured);
+        - ``"hc_residual_map"`` (the variant measured, see :func:`residual_map_of`), ``"hc_mult"`` (n),
+          ``"num_layers"``, ``"num_tokens"`` (tokens measured);
         - ``"sites"``: one dict per HC site in depth order, with ``"layer"``, ``"sublayer"`` (``"attn"`` / ``"ffn"``),
           the scalars of :data:`SITE_SCALARS` and, for plots, ``"comb_token_mean"`` (``n x n`` nested list),
           ``"pre_stream_mean"`` / ``"post_stream_mean"`` (``n`` lists). Gains are those of the map as applied,
-          ``M = comb^T`` (per token; ``_max`` / ``_mean`` over tokens); ``cumulative_*`` are the gains of the product
+          ``M = comb^T`` (per token; ``_max`` / ``_mean`` over tokens; not bounded by 1 for ``"unconstrained"``
+          maps); ``cumulative_*`` are the gains of the product
           ``M_s ... M_1 M_0`` of the maps from the embedding through this site; ``comb_*_sum_max_deviation`` is the
           largest ``|sum - 1|`` over tokens of ``comb``'s rows / columns and ``comb_{row|col}_sum_{min|max}`` the range
           of those sums; ``stream_cosine_*`` is the mean pairwise
@@ -208,6 +225,7 @@ def stability_report(
         raise ValueError(f"input_ids must have shape [B, T] with at least one token, got {tuple(input_ids.shape)}.")
     token_mask = _token_mask(input_ids, attention_mask)
 
+    residual_map = residual_map_of(model)
     was_training = model.training
     model.eval()
     device = _model_device(model)
@@ -281,6 +299,7 @@ def stability_report(
     if capture.final_stream_cosine is not None:
         final_cosine = capture.final_stream_cosine.cpu()[token_mask].double().mean().item()
     return {
+        "hc_residual_map": residual_map,
         "hc_mult": n,
         "num_layers": (num_sites + 1) // 2,
         "num_tokens": int(token_mask.sum()),
@@ -337,6 +356,10 @@ def _format_value(value: float | None, width: int, digits: int) -> str:
     return text.rjust(width)
 
 
+def _gain_text(value: float) -> str:
+    return f"{value:.6f}" if abs(value) < 1e6 else f"{value:.4e}"
+
+
 def format_report(report: dict[str, Any]) -> str:
     """A :func:`stability_report` as a fixed-width text table: one row per HC site, then the composite."""
     gain_columns = (
@@ -362,9 +385,9 @@ def format_report(report: dict[str, Any]) -> str:
     columns = [(title, key, 6) for title, key in gain_columns] + [(title, key, 4) for title, key in other_columns]
     width = 10
     lines = [
-        f"mHC stability report: n = {report['hc_mult']} streams, {report['num_layers']} layers, "
-        f"{report['num_tokens']} tokens",
-        "gains of the residual mixing X' = comb^T X per token (fwd: max |row sum|, bwd: max |column sum|; "
+        f"mHC stability report ({report['hc_residual_map']} residual maps): n = {report['hc_mult']} streams, "
+        f"{report['num_layers']} layers, {report['num_tokens']} tokens",
+        "gains of the residual mixing X' = comb^T X per token (fwd: max_i sum_j |M_ij|, bwd: max_j sum_i |M_ij|; "
         "max / mean over tokens); cum: product from the embedding through the site; |row-1|, |col-1|: largest "
         "deviation of comb's row / column sums from 1; cos: mean pairwise cosine similarity of the streams entering "
         "the site (1 = collapsed)",
@@ -375,9 +398,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(label + "".join(_format_value(site[key], width, digits) for _, key, digits in columns))
     composite = report["composite"]
     lines.append(
-        f"composite over depth: forward gain max {composite['forward_gain_max']:.6f} "
-        f"mean {composite['forward_gain_mean']:.6f}; backward gain max {composite['backward_gain_max']:.6f} "
-        f"mean {composite['backward_gain_mean']:.6f}"
+        f"composite over depth: forward gain max {_gain_text(composite['forward_gain_max'])} "
+        f"mean {_gain_text(composite['forward_gain_mean'])}; backward gain max "
+        f"{_gain_text(composite['backward_gain_max'])} mean {_gain_text(composite['backward_gain_mean'])}"
     )
     final_cosine = report["summary"].get("final_stream_cosine_mean")
     if final_cosine is not None:
@@ -386,6 +409,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 PLOT_MIN_HALF_SPAN = 0.05  # y-axes of values near 1 span at least 1 ± this, so float noise stays flat
+PLOT_LOG_GAIN_ABOVE = 10.0  # the gains panel turns logarithmic when a gain exceeds this (unconstrained maps)
 
 
 def _set_y_limits(axis, values: list[float], center: float | None = 1.0, half_span: float = PLOT_MIN_HALF_SPAN) -> None:
@@ -430,7 +454,11 @@ def overview_figure(report: dict[str, Any]):
     for key, label in gain_keys:
         gains.plot(positions, [site[key] for site in sites], marker="o", label=label)
     _reference_line(gains, 1.0, "1 (doubly stochastic)")
-    _set_y_limits(gains, [site[key] for site in sites for key, _ in gain_keys])
+    gain_values = [site[key] for site in sites for key, _ in gain_keys]
+    if max(gain_values) > PLOT_LOG_GAIN_ABOVE:
+        gains.set_yscale("log")
+    else:
+        _set_y_limits(gains, gain_values)
     gains.set_title("gain of the residual mixing (max over tokens)")
     gains.set_ylabel("gain (max |row| / |column| sum)")
     sums = axes[0, 1]
@@ -462,12 +490,14 @@ def overview_figure(report: dict[str, Any]):
     maps.set_title("pre / post (over tokens and streams)")
     maps.set_ylabel("coefficient")
     for axis in axes.flat:
-        axis.ticklabel_format(axis="y", useOffset=False)
+        if axis.get_yscale() == "linear":
+            axis.ticklabel_format(axis="y", useOffset=False)
         axis.set_xticks(positions, labels, fontsize=7)
         axis.set_xlabel("HC site (layer, a = attention, f = FFN)")
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=8)
-    figure.suptitle(f"mHC stability, n = {report['hc_mult']}, {report['num_tokens']} tokens")
+    figure.suptitle(f"mHC stability ({report['hc_residual_map']} residual maps), n = {report['hc_mult']}, "
+                    f"{report['num_tokens']} tokens")
     return figure
 
 
@@ -481,8 +511,14 @@ def layer_figure(report: dict[str, Any], layer: int):
     figure = Figure(figsize=(4 * (len(layer_sites) + 1), 3.6))
     axes = figure.subplots(1, len(layer_sites) + 1)
     figure.subplots_adjust(left=0.06, right=0.98, top=0.82, bottom=0.17, wspace=0.45)
+    entries = [value for site in layer_sites for row in site["comb_token_mean"] for value in row]
+    if min(entries) < 0:  # signed (unconstrained) maps: a diverging scale centred on 0 that holds every entry
+        bound = max(1.0, max(abs(value) for value in entries))
+        color_range = dict(vmin=-bound, vmax=bound, cmap="RdBu_r")
+    else:
+        color_range = dict(vmin=0.0, vmax=max(1.0, max(entries)), cmap="viridis")
     for axis, site in zip(axes[:-1], layer_sites, strict=True):
-        image = axis.imshow(site["comb_token_mean"], vmin=0.0, vmax=1.0, cmap="viridis")
+        image = axis.imshow(site["comb_token_mean"], **color_range)
         axis.set_title(f"{site['sublayer']} comb (token mean)")
         axis.set_xlabel("to stream i (X'_i = sum_j comb_ji X_j)")
         axis.set_ylabel("from stream j")
@@ -498,9 +534,10 @@ def layer_figure(report: dict[str, Any], layer: int):
     bars.set_xlabel("stream")
     bars.set_ylabel("coefficient (token mean)")
     bars.set_title("pre / post (token mean)")
-    bars.set_ylim(0, 1.4 * max(max(site["post_stream_mean"] + site["pre_stream_mean"]) for site in layer_sites))
+    coefficients = [value for site in layer_sites for value in site["post_stream_mean"] + site["pre_stream_mean"]]
+    bars.set_ylim(1.4 * min(0.0, min(coefficients)), 1.4 * max(0.0, max(coefficients)))
     bars.legend(fontsize=7, loc="upper center", ncols=2)
-    figure.suptitle(f"layer {layer}")
+    figure.suptitle(f"layer {layer} ({report['hc_residual_map']} residual maps)")
     return figure
 
 
@@ -528,7 +565,10 @@ class MHCStabilityCallback(TrainerCallback):
 
     The scalars (``mhc/composite_forward_gain``, ``mhc/max_comb_row_sum_deviation``, ... and with ``per_site`` also
     ``mhc/layer_{i}/{attn|ffn}/...``) reach every ``report_to`` integration (TensorBoard, W&B, ...) and
-    ``trainer.state.log_history``. The report runs on every process (so sharded FSDP models work) on a fixed batch:
+    ``trainer.state.log_history``. The first report also logs which variant was measured, ``mhc/hc_residual_map``
+    (a string: TensorBoard records it as text; it is kept as ``hc_residual_map`` on the callback too), so runs of
+    different variants share the scalar names and stay comparable on one chart. The report runs on every process
+    (so sharded FSDP models work) on a fixed batch:
     ``input_ids`` / ``attention_mask`` when given, else the first ``num_samples`` examples of the trainer's training
     set, collated by its data collator.
 
@@ -563,6 +603,7 @@ class MHCStabilityCallback(TrainerCallback):
         self.num_samples = num_samples
         self.per_site = per_site
         self.last_scalars: dict[str, float] = {}
+        self.hc_residual_map: str | None = None
 
     def _sample_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         dataset = self.trainer.train_dataset
@@ -583,8 +624,11 @@ class MHCStabilityCallback(TrainerCallback):
         # trainer.model: the model being trained (PEFT-wrapped, or sharded in place by FSDP2), not a DDP wrapper.
         report = stability_report(self.trainer.model, self.input_ids, self.attention_mask)
         self.last_scalars = report_scalars(report, per_site=self.per_site)
+        logs: dict[str, float | str] = dict(self.last_scalars)
+        if self.hc_residual_map is None:
+            self.hc_residual_map = logs[f"{SCALAR_PREFIX}hc_residual_map"] = report["hc_residual_map"]
         pending_log = control.should_log  # Trainer.log clears it; the trainer's own log of this step must still run
-        self.trainer.log(dict(self.last_scalars))
+        self.trainer.log(logs)
         control.should_log = pending_log
 
     def on_train_begin(
@@ -760,6 +804,7 @@ __all__ = [
     "overview_figure",
     "plot_report",
     "report_scalars",
+    "residual_map_of",
     "run_inspect",
     "stability_report",
 ]

@@ -16,7 +16,7 @@ from conftest import import_script
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = ["bench_kernels", "bench_memory", "bench_training_step", "bench_upcycle", "bench_convert", "bench_kv_cache",
-           "bench_pipeline"]
+           "bench_pipeline", "paper_miniature"]
 TINY = {
     "bench_kernels": ["--n", "2", "--hidden", "16", "--tokens", "8", "--repeats", "1", "--device", "cpu"],
     "bench_memory": ["--n", "2", "--hidden", "128", "--layers", "1", "--tokens", "16"],
@@ -27,6 +27,8 @@ TINY = {
     "bench_kv_cache": ["--tiny", "--models", "dense", "--prompts", "1", "--new-tokens", "2", "--context", "16"],
     "bench_pipeline": ["--hidden", "64", "--layers", "2", "--tokens", "8", "--batch", "2", "--microbatches", "2",
                        "--repeats", "1", "--threads", "1"],
+    "paper_miniature": ["--steps", "3", "--layers", "2", "--hidden", "32", "--batch-size", "2", "--block-size", "16",
+                        "--log-every", "2", "--tokenizer", "bytes"],
 }
 PROGRESS = {
     "bench_kernels": "repeat 1/1: ",
@@ -36,6 +38,7 @@ PROGRESS = {
     "bench_convert": "repeat 1/1: convert",
     "bench_kv_cache": "dense: cache 6/6: fp8: prompt 1/1",
     "bench_pipeline": "repeat 1/1: residual Llama",
+    "paper_miniature": "lr 0.003: identity: step 3/3",
 }
 
 
@@ -131,3 +134,25 @@ def test_the_synthetic_moe_checkpoint_has_the_layout_save_pretrained_writes(load
     specs = {spec.name: spec.shape for spec in module.saved_layout_specs(config)}
     assert specs == layout and any(".experts.3." in name for name in specs)
     assert {spec.dtype for spec in module.saved_layout_specs(config)} == {torch.bfloat16}
+
+
+def test_paper_miniature_records_every_variant_and_rejects_unknown_ones(load, tmp_path, capsys):
+    module = load("paper_miniature")
+    module.main([*TINY["paper_miniature"], "--json", str(tmp_path / "run.json"), "--plot", str(tmp_path / "run.png")])
+    results = json.loads((tmp_path / "run.json").read_text())
+    assert list(results["variants"]) == ["residual", "unconstrained", "sinkhorn", "permutations", "identity"]
+    for name, run in results["variants"].items():
+        assert run["step"] == [0, 2, 3] and len(run["step_loss"]) == 3, name
+        for key in ("loss", "held_out_loss", "grad_norm", "composite_forward_gain_max", "composite_backward_gain_max"):
+            assert len(run[key]) == 3, (name, key)
+    assert results["variants"]["residual"]["composite_forward_gain_max"] == [1.0, 1.0, 1.0]
+    assert results["variants"]["identity"]["composite_backward_gain_max"] == [1.0, 1.0, 1.0]
+    # Same seed, same data, function-preserving start: every model starts from the residual model's held-out loss.
+    start = {name: run["held_out_loss"][0] for name, run in results["variants"].items()}
+    assert max(start.values()) - min(start.values()) < 1e-4
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        module.main([*TINY["paper_miniature"], "--variants", "residual,hyper"])
+    err = capsys.readouterr().err
+    assert err.startswith("paper_miniature.py: error: --variants: unknown variant hyper;") and err.count("\n") == 1
