@@ -16,7 +16,7 @@ from conftest import import_script
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = ["bench_kernels", "bench_memory", "bench_training_step", "bench_upcycle", "bench_convert", "bench_kv_cache",
-           "bench_pipeline"]
+           "bench_pipeline", "bench_generate"]
 TINY = {
     "bench_kernels": ["--n", "2", "--hidden", "16", "--tokens", "8", "--repeats", "1", "--device", "cpu"],
     "bench_memory": ["--n", "2", "--hidden", "128", "--layers", "1", "--tokens", "16"],
@@ -27,6 +27,8 @@ TINY = {
     "bench_kv_cache": ["--tiny", "--models", "dense", "--prompts", "1", "--new-tokens", "2", "--context", "16"],
     "bench_pipeline": ["--hidden", "64", "--layers", "2", "--tokens", "8", "--batch", "2", "--microbatches", "2",
                        "--repeats", "1", "--threads", "1"],
+    "bench_generate": ["--hidden", "64", "--batch", "1", "--layers", "1", "--vocab", "128", "--new-tokens", "2",
+                       "--prompt", "4", "--repeats", "1"],
 }
 PROGRESS = {
     "bench_kernels": "repeat 1/1: ",
@@ -36,6 +38,7 @@ PROGRESS = {
     "bench_convert": "repeat 1/1: convert",
     "bench_kv_cache": "dense: cache 6/6: fp8: prompt 1/1",
     "bench_pipeline": "repeat 1/1: residual Llama",
+    "bench_generate": "case 1/1: C=64 batch=1: repeat 1/1",
 }
 
 
