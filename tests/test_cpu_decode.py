@@ -185,22 +185,26 @@ def test_dispatch_takes_the_fast_path_only_without_grad(counted, monkeypatch):
     assert counted == {"coeffs_pre": 2, "post_res": 2, "head": 2}
 
 
-def test_greedy_generate_same_tokens_as_eager(counted, monkeypatch):
+@pytest.mark.parametrize("residual_map", ["sinkhorn", "unconstrained"])
+def test_greedy_generate_same_tokens_as_eager(counted, monkeypatch, residual_map):
     source = AutoModelForCausalLM.from_config(tiny_backbone_config("llama")).eval()
-    model = hf_mhc.upcycle(copy.deepcopy(source), hc_mult=4).eval()
+    model = hf_mhc.upcycle(copy.deepcopy(source), hc_mult=4, residual_map=residual_map).eval()
     with torch.no_grad():  # HC parameters away from the function-preserving init, so the maps matter
         for name, param in model.named_parameters():
             if name.endswith(("_hc.fn", "_hc.base", "hc_fn", "hc_base")):
                 param.add_(torch.randn_like(param) * 0.5)
     prompt = torch.randint(3, 101, (2, 5))
-    options = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    options = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
+                   return_dict_in_generate=True)
     fast = model.generate(input_ids=prompt, **options)
     assert counted["coeffs_pre"] >= 2 * 2 * 12 and counted["head"] >= 12  # layers x sites x decode steps
     monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
     calls = dict(counted)
     eager = model.generate(input_ids=prompt, **options)
     assert counted == calls
-    torch.testing.assert_close(fast, eager, rtol=0, atol=0)
+    torch.testing.assert_close(fast.sequences, eager.sequences, rtol=0, atol=0)
+    fast_logits, eager_logits = torch.stack(fast.logits), torch.stack(eager.logits)
+    torch.testing.assert_close(fast_logits, eager_logits, rtol=0, atol=1e-4 * eager_logits.abs().max().item())
 
 
 def test_failed_build_warns_once_and_runs_eager(monkeypatch):
