@@ -52,8 +52,8 @@ def build_models(hidden: int, layers: int, vocab: int) -> tuple[LlamaForCausalLM
 def timed_generate(model, input_ids: torch.Tensor, new_tokens: int, **options) -> tuple[float, torch.Tensor]:
     """Seconds per generated token of one greedy ``generate``, and the generated tokens."""
     start = time.perf_counter()
-    out = model.generate(input_ids=input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                         **options)
+    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, **options)
     return (time.perf_counter() - start) / new_tokens, out[:, input_ids.shape[1]:]
 
 

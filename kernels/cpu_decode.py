@@ -29,6 +29,7 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 MAX_TOKENS = 64  # tokens (all leading dims) up to which the fast path runs; measured crossover in the README
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not DTensor or other subclasses, whose data the C++ cannot read
 ENV_SWITCH = "HF_MHC_CPU_DECODE"
 MAP_CODES = {"sinkhorn": 0, "unconstrained": 1, "identity": 2, "permutations": 3}  # the kernels' residual_map
 CFLAGS = ["-O3"]
@@ -95,13 +96,14 @@ def kernels() -> ModuleType | None:
 
 def applies(streams: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """Whether a call on ``streams [..., n, C]`` (and the op's other ``tensors``) takes the fast path: CPU float32 /
-    bfloat16 / float16 streams with at most ``MAX_TOKENS`` tokens, no gradient wanted (grad mode off, or no input
-    requires grad), not under ``torch.compile``, the switch on and the kernels built."""
+    bfloat16 / float16 plain tensors (no ``DTensor``) with at most ``MAX_TOKENS`` tokens, no gradient wanted (grad mode
+    off, or no input requires grad), not under ``torch.compile``, the switch on and the kernels built."""
     return (
         not torch.compiler.is_compiling()
         and streams.device.type == "cpu"
         and streams.dtype in FAST_DTYPES
         and 0 < math.prod(streams.shape[:-2]) <= MAX_TOKENS
+        and all(type(t) in PLAIN_TENSORS for t in (streams, *tensors))
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in (streams, *tensors)))
         and enabled()
         and kernels() is not None

@@ -13,6 +13,11 @@ The coefficient ops take ``residual_map`` (``"sinkhorn"``, mHC, the default; ``"
 scale). With ``"identity"``, ``mhc_coeffs_pre`` returns ``comb=None`` and ``mhc_post_res(..., comb=None)`` carries
 the streams unmixed; ``mhc_coeffs`` returns the comb applied, the identity.
 
+On CPU with the torch backend, ``mhc_coeffs_pre``, ``mhc_post_res`` and ``mhc_head`` run a call of at most
+``cpu_decode.MAX_TOKENS`` tokens that needs no gradient (grad mode off or no input requiring grad; not under
+``torch.compile``) as one fused C++ call (``kernels/cpu_decode.py``: decoding), with the same numbers to float32
+rounding.
+
 Every op is a ``torch.library`` custom op with its own backward, so ``torch.compile(fullgraph=True)`` traces through
 it. The numbers are those of the plain formula in ``hf_mhc.mhc_reference`` whatever the backend; a failing Triton
 launch raises, it never falls back silently. Streams with no tokens give empty results (and empty gradients); invalid

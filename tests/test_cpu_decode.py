@@ -152,6 +152,10 @@ def counted(built, monkeypatch):
     return calls
 
 
+class Subclass(torch.Tensor):
+    pass
+
+
 def run_site(n=4, tokens=1, requires_grad=False):
     """One site through the public ops: ``mhc_coeffs_pre``, ``mhc_post_res``, ``mhc_head``."""
     streams = torch.randn(1, tokens, n, HIDDEN)
@@ -174,6 +178,9 @@ def test_dispatch_takes_the_fast_path_only_without_grad(counted, monkeypatch):
     with torch.no_grad():
         run_site(tokens=cpu_decode.MAX_TOKENS + 1)  # a prompt longer than the decode range
     assert counted["coeffs_pre"] == 2
+    with torch.no_grad():  # a tensor subclass (DTensor, say): the C++ reads plain tensors only
+        streams = torch.randn(1, 1, 4, HIDDEN).as_subclass(Subclass)
+        functional.mhc_coeffs_pre(streams, *site_params(4, "sinkhorn"), sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
     monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
     with torch.no_grad():
         run_site()
