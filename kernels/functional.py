@@ -13,6 +13,11 @@ The coefficient ops take ``residual_map`` (``"sinkhorn"``, mHC, the default; ``"
 scale). With ``"identity"``, ``mhc_coeffs_pre`` returns ``comb=None`` and ``mhc_post_res(..., comb=None)`` carries
 the streams unmixed; ``mhc_coeffs`` returns the comb applied, the identity.
 
+On CPU with the torch backend, ``mhc_coeffs_pre``, ``mhc_post_res`` and ``mhc_head`` run a call of at most
+``cpu_decode.MAX_TOKENS`` tokens that needs no gradient (grad mode off or no input requiring grad; not under
+``torch.compile``) as one fused C++ call (``kernels/cpu_decode.py``: decoding), with the same numbers to float32
+rounding.
+
 Every op is a ``torch.library`` custom op with its own backward, so ``torch.compile(fullgraph=True)`` traces through
 it. The numbers are those of the plain formula in ``hf_mhc.mhc_reference`` whatever the backend; a failing Triton
 launch raises, it never falls back silently. Streams with no tokens give empty results (and empty gradients); invalid
@@ -28,6 +33,7 @@ import torch
 
 from hf_mhc import mhc_reference
 
+from . import cpu_decode
 from .coeffs_op import mhc_coeffs_fwd_op
 from .coeffs_pre_op import mhc_coeffs_pre_fwd_op, mhc_head_fwd_op
 from .common import interpreting
@@ -168,9 +174,13 @@ def mhc_coeffs_pre(
     ``mhc_coeffs`` then ``mhc_pre``, with one backward node that writes the stream gradient once."""
     _check_coeffs_args("mhc_coeffs_pre", streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, residual_map,
                        post_magnitude)
+    backend = resolve_backend(backend, streams)
+    if backend == "torch" and cpu_decode.applies(streams, fn, base, scale):
+        y, post, comb = cpu_decode.kernels().coeffs_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps,
+                                                        cpu_decode.MAP_CODES[residual_map], float(post_magnitude))
+        return y, post, None if residual_map == "identity" else comb
     y, post, comb, _, _, _ = mhc_coeffs_pre_fwd_op(
-        streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, resolve_backend(backend, streams), residual_map,
-        float(post_magnitude),
+        streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend, residual_map, float(post_magnitude),
     )
     return y, post, None if residual_map == "identity" else comb
 
@@ -207,7 +217,10 @@ def mhc_post_res(
     identity = comb is None
     if identity:
         comb = post.new_empty(0, dtype=torch.float32)
-    return mhc_post_res_fwd_op(streams, y, post, comb, resolve_backend(backend, streams), identity)
+    backend = resolve_backend(backend, streams)
+    if backend == "torch" and y.dtype == streams.dtype and cpu_decode.applies(streams, y, post, comb):
+        return cpu_decode.kernels().post_res(streams, y, post, comb, identity)
+    return mhc_post_res_fwd_op(streams, y, post, comb, backend, identity)
 
 
 def mhc_head(
@@ -229,5 +242,8 @@ def mhc_head(
             f"mhc_head for n={n}, C={hidden} needs hc_fn [{n}, {n * hidden}], hc_base [{n}], hc_scale [1]; "
             f"got {tuple(hc_fn.shape)}, {tuple(hc_base.shape)}, {tuple(hc_scale.shape)}."
         )
-    y, _, _, _ = mhc_head_fwd_op(streams, hc_fn, hc_base, hc_scale, eps, norm_eps, resolve_backend(backend, streams))
+    backend = resolve_backend(backend, streams)
+    if backend == "torch" and cpu_decode.applies(streams, hc_fn, hc_base, hc_scale):
+        return cpu_decode.kernels().head(streams, hc_fn, hc_base, hc_scale, eps, norm_eps)
+    y, _, _, _ = mhc_head_fwd_op(streams, hc_fn, hc_base, hc_scale, eps, norm_eps, backend)
     return y

@@ -16,7 +16,7 @@ from conftest import import_script
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = ["bench_kernels", "bench_memory", "bench_training_step", "bench_upcycle", "bench_convert", "bench_kv_cache",
-           "bench_pipeline", "paper_miniature"]
+           "bench_pipeline", "paper_miniature", "bench_generate"]
 TINY = {
     "bench_kernels": ["--n", "2", "--hidden", "16", "--tokens", "8", "--repeats", "1", "--device", "cpu"],
     "bench_memory": ["--n", "2", "--hidden", "128", "--layers", "1", "--tokens", "16"],
@@ -29,6 +29,8 @@ TINY = {
                        "--repeats", "1", "--threads", "1"],
     "paper_miniature": ["--steps", "3", "--layers", "2", "--hidden", "32", "--batch-size", "2", "--block-size", "16",
                         "--log-every", "2", "--tokenizer", "bytes"],
+    "bench_generate": ["--hidden", "64", "--batch", "1", "--layers", "1", "--vocab", "128", "--new-tokens", "2",
+                       "--prompt", "4", "--repeats", "1"],
 }
 PROGRESS = {
     "bench_kernels": "repeat 1/1: ",
@@ -39,6 +41,7 @@ PROGRESS = {
     "bench_kv_cache": "dense: cache 6/6: fp8: prompt 1/1",
     "bench_pipeline": "repeat 1/1: residual Llama",
     "paper_miniature": "lr 0.003: identity: step 3/3",
+    "bench_generate": "case 1/1: C=64 batch=1: repeat 1/1",
 }
 
 

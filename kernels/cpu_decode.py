@@ -1,0 +1,110 @@
+"""The CPU decode fast path: one fused C++ call per mHC site for a few tokens without autograd.
+
+Greedy decoding runs each site on one token per sequence. The eager torch kernels spend that token's time in Python
+and operator dispatch (the 20 Sinkhorn iterations alone are 39 normalisations of three ops each), so for a few
+tokens on CPU, with no gradient wanted, ``kernels/functional.py`` calls the C++ kernels of ``cpu_decode.cpp``
+instead: ``coeffs_pre`` (``mix`` by one GEMM, the residual map, the ``pre`` collapse), ``post_res`` and ``head``,
+each one call with ``at::parallel_for`` over the tokens, the numbers of ``hf_mhc.mhc_reference`` to float32 rounding.
+
+The source is JIT-built once with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, the ``ninja`` package of
+the dependencies) into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), under a name that hashes the
+source and the torch and Python versions, so later processes load the built library. A failed build warns once
+with its reason and the eager torch kernels run instead. ``HF_MHC_CPU_DECODE=0`` turns the fast path off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+MAX_TOKENS = 64  # tokens (all leading dims) up to which the fast path runs; measured crossover in the README
+FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not DTensor or other subclasses, whose data the C++ cannot read
+ENV_SWITCH = "HF_MHC_CPU_DECODE"
+MAP_CODES = {"sinkhorn": 0, "unconstrained": 1, "identity": 2, "permutations": 3}  # the kernels' residual_map
+CFLAGS = ["-O3"]
+
+
+def enabled() -> bool:
+    """Whether the fast path may run: ``HF_MHC_CPU_DECODE`` is not ``0`` (read at each call)."""
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def extension_name() -> str:
+    """``hf_mhc_cpu_decode_<hash>``: the hash covers the source, the flags and the torch and Python versions."""
+    key = "\n".join([SOURCE.read_text(), " ".join(CFLAGS), torch.__version__, sys.version.split()[0]])
+    return f"hf_mhc_cpu_decode_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def build_directory(name: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / name
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """torch runs ``ninja`` from ``PATH``; the ``ninja`` package's binary is there only in an activated venv."""
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
+def build() -> ModuleType:
+    """Build (once per source and torch version; later processes load the cached library) and import the kernels."""
+    from torch.utils import cpp_extension
+
+    name = extension_name()
+    directory = build_directory(name)
+    if not (directory / f"{name}.so").exists():
+        print("building hf-mhc's CPU decode kernels (once) ...", file=sys.stderr, flush=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    with _ninja_on_path():
+        return cpp_extension.load(name, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(directory),
+                                  verbose=False)
+
+
+@functools.cache
+def kernels() -> ModuleType | None:
+    """The built kernels, or ``None`` after warning once why the build failed (the eager torch kernels then run)."""
+    try:
+        return build()
+    except Exception as error:  # a missing compiler or ninja, a failed compile: every cause says why in its message
+        reason = " ".join(str(error).split())[:500] or type(error).__name__
+        warnings.warn(f"hf-mhc's CPU decode kernels failed to build ({reason}); decoding on CPU runs the eager torch "
+                      f"kernels, which are slower for a few tokens. Set {ENV_SWITCH}=0 to skip the build.",
+                      RuntimeWarning, stacklevel=2)
+        return None
+
+
+def applies(streams: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether a call on ``streams [..., n, C]`` (and the op's other ``tensors``) takes the fast path: CPU float32 /
+    bfloat16 / float16 plain tensors (no ``DTensor``) with at most ``MAX_TOKENS`` tokens, no gradient wanted (grad mode
+    off, or no input requires grad), not under ``torch.compile``, the switch on and the kernels built."""
+    return (
+        not torch.compiler.is_compiling()
+        and streams.device.type == "cpu"
+        and streams.dtype in FAST_DTYPES
+        and 0 < math.prod(streams.shape[:-2]) <= MAX_TOKENS
+        and all(type(t) in PLAIN_TENSORS for t in (streams, *tensors))
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (streams, *tensors)))
+        and enabled()
+        and kernels() is not None
+    )
