@@ -99,8 +99,8 @@ def mhc_code_files() -> set[str]:
 
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_and_data_arguments(parser: argparse.ArgumentParser, block_size: int):
+    """The "model" and "data" option groups this script shares with ``pipeline_finetune.py``; returns both groups."""
     model = parser.add_argument_group("model")
     model.add_argument("--model", help="mHC checkpoint (or residual one with --upcycle): folder or Hub id")
     model.add_argument("--tokenizer", help="tokenizer folder or Hub id (default: --model)")
@@ -111,7 +111,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     data.add_argument("--dataset-config", help="Hub dataset configuration name")
     data.add_argument("--split", default="train", help="Hub dataset split (default train)")
     data.add_argument("--text-column", default="text", help="column holding the text (default text)")
-    data.add_argument("--block-size", type=int, default=128, help="tokens per training sequence (default 128)")
+    data.add_argument("--block-size", type=int, default=block_size,
+                      help=f"tokens per training sequence (default {block_size})")
+    return model, data
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model, data = add_model_and_data_arguments(parser, block_size=128)
     data.add_argument("--max-train-blocks", type=int, default=None, help="use at most this many training blocks")
     data.add_argument("--eval-blocks", type=int, default=32, help="held-out blocks for the eval loss (0: none)")
     train = parser.add_argument_group("training")

@@ -76,17 +76,7 @@ STATE_FILE = "trainer_state.json"
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="pipeline_finetune.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", help="mHC folder (or residual one with --upcycle): folder or Hub id")
-    model.add_argument("--tokenizer", help="tokenizer folder or Hub id (default: --model)")
-    model.add_argument("--upcycle", action="store_true", help="convert a residual checkpoint to mHC on the fly")
-    model.add_argument("--hc-mult", type=int, default=None, help="streams n for --upcycle (default 4)")
-    data = parser.add_argument_group("data")
-    data.add_argument("--dataset", help="Hub dataset id or local files / glob (default: see above)")
-    data.add_argument("--dataset-config", help="Hub dataset configuration name")
-    data.add_argument("--split", default="train", help="Hub dataset split (default train)")
-    data.add_argument("--text-column", default="text", help="column holding the text (default text)")
-    data.add_argument("--block-size", type=int, default=64, help="tokens per training sequence (default 64)")
+    finetune.add_model_and_data_arguments(parser, block_size=64)
     train = parser.add_argument_group("training")
     train.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
     train.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")

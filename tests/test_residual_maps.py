@@ -14,7 +14,14 @@ import math
 import pytest
 import torch
 from conftest import VOCAB, tiny_backbone_config
-from test_ops import as64, check_grads, leaf, nan_poisoned_buffers, on_test_device  # noqa: F401 (autouse fixtures)
+from test_ops import (  # noqa: F401 (autouse fixtures)
+    as64,
+    check_grads,
+    leaf,
+    nan_poisoned_buffers,
+    on_test_device,
+    ref_sinkhorn,
+)
 from test_remote_code import remote_code_logits
 
 from hf_mhc import MHCConfig, MHCForCausalLM
@@ -54,16 +61,6 @@ def ref_permutations(n):
 def ref_sizes(n, residual_map):
     comb = {"sinkhorn": n * n, "unconstrained": n * n, "identity": 0, "permutations": math.factorial(n)}
     return n, n, comb[residual_map]
-
-
-def ref_sinkhorn(logits, iters, eps):
-    m = torch.exp(logits - logits.amax(-1, keepdim=True))
-    m = m / m.sum(-1, keepdim=True) + eps
-    m = m / (m.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        m = m / (m.sum(-1, keepdim=True) + eps)
-        m = m / (m.sum(-2, keepdim=True) + eps)
-    return m
 
 
 def ref_maps(x, fn, base, scale, residual_map, magnitude=MAGNITUDE):
