@@ -23,7 +23,15 @@ import triton.language as tl
 
 from hf_mhc import mhc_reference
 
-from .common import launch_grid, map_token_chunks, padded_streams, token_slices, without_autocast, zeros_if_none
+from .common import (
+    MAP_CODES,
+    launch_grid,
+    map_token_chunks,
+    padded_streams,
+    token_slices,
+    without_autocast,
+    zeros_if_none,
+)
 from .sinkhorn_op import sinkhorn_backward_torch, sinkhorn_forward_torch, sinkhorn_tile_backward, sinkhorn_tile_forward
 
 COEFFS_BLOCK_T = 16
@@ -54,7 +62,6 @@ def _map_offsets(N: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr):
     return vec, vec < N, 2 * N + row * N + col, comb_valid
 
 
-MAP_CODES = {"sinkhorn": 0, "unconstrained": 1, "identity": 2, "permutations": 3}  # the kernels' MAP constexpr
 
 
 @triton.jit

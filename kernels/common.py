@@ -10,6 +10,10 @@ from collections.abc import Callable, Iterator
 import torch
 import triton
 
+# The residual maps' codes in the kernels: the Triton kernels' MAP constexpr (coeffs_op) and the C++ decode kernels'
+# kSinkhorn, kUnconstrained, kIdentity, kPermutations (cpu_decode.cpp).
+MAP_CODES: dict[str, int] = {"sinkhorn": 0, "unconstrained": 1, "identity": 2, "permutations": 3}
+
 
 def interpreting() -> bool:
     """Whether Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""

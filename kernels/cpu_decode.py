@@ -31,7 +31,6 @@ MAX_TOKENS = 64  # tokens (all leading dims) up to which the fast path runs; mea
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not DTensor or other subclasses, whose data the C++ cannot read
 ENV_SWITCH = "HF_MHC_CPU_DECODE"
-MAP_CODES = {"sinkhorn": 0, "unconstrained": 1, "identity": 2, "permutations": 3}  # the kernels' residual_map
 CFLAGS = ["-O3"]
 
 

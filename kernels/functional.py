@@ -36,7 +36,7 @@ from hf_mhc import mhc_reference
 from . import cpu_decode
 from .coeffs_op import mhc_coeffs_fwd_op
 from .coeffs_pre_op import mhc_coeffs_pre_fwd_op, mhc_head_fwd_op
-from .common import interpreting
+from .common import MAP_CODES, interpreting
 from .post_res_op import mhc_post_res_fwd_op
 from .pre_op import mhc_pre_fwd_op
 from .sinkhorn_op import sinkhorn_fwd_op
@@ -177,7 +177,7 @@ def mhc_coeffs_pre(
     backend = resolve_backend(backend, streams)
     if backend == "torch" and cpu_decode.applies(streams, fn, base, scale):
         y, post, comb = cpu_decode.kernels().coeffs_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps,
-                                                        cpu_decode.MAP_CODES[residual_map], float(post_magnitude))
+                                                        MAP_CODES[residual_map], float(post_magnitude))
         return y, post, None if residual_map == "identity" else comb
     y, post, comb, _, _, _ = mhc_coeffs_pre_fwd_op(
         streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend, residual_map, float(post_magnitude),

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 import hf_mhc
 from hf_mhc import mhc_reference
 from hf_mhc.kernels import cpu_decode, functional
+from hf_mhc.kernels.common import MAP_CODES
 
 # Per-dtype tolerance on the stream-sized outputs (y, new streams), relative to max |reference|: one rounding to the
 # dtype. The maps (post, comb) are float32 whatever the streams' dtype (the reference reads the same rounded
@@ -112,7 +113,7 @@ def test_kernels_match_float64_reference(built, residual_map, n, tokens, dtype):
     streams = torch.randn(1, tokens, n, HIDDEN).to(dtype)
     fn, base, scale = site_params(n, residual_map)
     y, post, comb = built.coeffs_pre(streams, fn, base, scale, SETTINGS["sinkhorn_iters"], SETTINGS["eps"],
-                                     SETTINGS["norm_eps"], cpu_decode.MAP_CODES[residual_map],
+                                     SETTINGS["norm_eps"], MAP_CODES[residual_map],
                                      SETTINGS["post_magnitude"])
     ref_pre, ref_post, ref_comb = maps64(mix64(streams, fn, SETTINGS["norm_eps"]), base, scale, n, residual_map,
                                          **SETTINGS)
