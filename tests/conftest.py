@@ -102,3 +102,10 @@ def import_script(path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def loss_gradients(model, input_ids) -> dict:
+    """Every parameter's gradient of ``model``'s next-token loss on ``input_ids`` (``labels=input_ids``), cloned."""
+    model.zero_grad()
+    model(input_ids, labels=input_ids).loss.backward()
+    return {name: param.grad.clone() for name, param in model.named_parameters()}

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import DENSE_FAMILIES, MOE_FAMILIES, VOCAB, tiny_backbone_config
+from conftest import DENSE_FAMILIES, MOE_FAMILIES, VOCAB, loss_gradients, tiny_backbone_config
 from peft import get_peft_model
 from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
@@ -311,18 +311,13 @@ def test_gradient_checkpointing_gives_the_same_gradients(family):
     model = randomise_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).train()
     ids = token_ids()
 
-    def grads():
-        model.zero_grad()
-        model(ids, labels=ids).loss.backward()
-        return {name: param.grad.clone() for name, param in model.named_parameters()}
-
-    plain = grads()
+    plain = loss_gradients(model, ids)
     model.activation_checkpointing_enable()
     assert model.model.layers[0].gradient_checkpointing
-    checkpointed = grads()
+    checkpointed = loss_gradients(model, ids)
     for layer in model.model.layers:  # and selective recomputation of the mHC maps on top (hc_recompute)
         layer.hc_recompute = True
-    recomputed = grads()
+    recomputed = loss_gradients(model, ids)
     assert plain.keys() == checkpointed.keys() == recomputed.keys()
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import FAMILIES, VOCAB, tiny_backbone_config
+from conftest import FAMILIES, VOCAB, loss_gradients, tiny_backbone_config
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -111,15 +111,10 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     model = random_mhc("qwen3").train()
     ids = token_ids()
 
-    def grads():
-        model.zero_grad()
-        model(ids, labels=ids).loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    plain = grads()
+    plain = loss_gradients(model, ids)
     model.activation_checkpointing_enable()
     assert model.model.layers[0].gradient_checkpointing
-    checkpointed = grads()
+    checkpointed = loss_gradients(model, ids)
     assert plain.keys() == checkpointed.keys()
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
