@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .modeling_mhc import HC_MODULE_CLASSES, hc_mixed_precision
+from .modeling_mhc import hc_modules, shard_hc_units
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -44,10 +44,6 @@ __all__ = ["install", "shard_hyper_connections"]
 _MARK = "_hf_mhc_keeps_hc_float32"  # set on the wrappers: install() is idempotent
 # The accelerator whose fsdp2_prepare_model is running, if any.
 _PREPARING: contextvars.ContextVar[Accelerator | None] = contextvars.ContextVar("hf_mhc_fsdp2_prepare", default=None)
-
-
-def _hc_modules(model: nn.Module) -> list[nn.Module]:
-    return [module for module in model.modules() if isinstance(module, HC_MODULE_CLASSES)]
 
 
 def _ignored_parameters(plugin, model: nn.Module) -> set[nn.Parameter]:
@@ -66,9 +62,9 @@ def shard_hyper_connections(accelerator: Accelerator, model: nn.Module) -> int:
     otherwise (its mesh, ``reshard_after_forward``, ``cpu_offload``; modules wholly in ``ignored_modules`` are left
     be). HC parameters that are not float32 (a model cast with ``model.to(torch.bfloat16)``) are upcast first: mHC
     keeps them float32 in any model dtype. Returns the number of HC modules sharded."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule
 
-    modules = [module for module in _hc_modules(model) if not isinstance(module, FSDPModule)]
+    modules = [module for module in hc_modules(model) if not isinstance(module, FSDPModule)]
     if not modules:
         return 0
     plugin = accelerator.state.fsdp_plugin
@@ -89,12 +85,10 @@ def shard_hyper_connections(accelerator: Accelerator, model: nn.Module) -> int:
         "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None,
         "reshard_after_forward": plugin.reshard_after_forward,
         "offload_policy": plugin.cpu_offload,
-        "mp_policy": hc_mixed_precision(),
     }
     if ignored:
         kwargs["ignored_params"] = ignored
-    for module in modules:
-        fully_shard(module, **kwargs)
+    shard_hc_units(modules, **kwargs)
     return len(modules)
 
 

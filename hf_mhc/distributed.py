@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from .modeling_mhc import (
-    HC_MODULE_CLASSES,
     HC_MODULE_NAMES,
     MHCDecoderLayer,
     MHCForCausalLM,
@@ -26,18 +25,19 @@ from .modeling_mhc import (
     MHCModel,
     attention_masks,
     expand_to_streams,
-    hc_mixed_precision,
+    hc_modules,
     rotary_embeddings,
     run_decoder_layers,
     scale_embeddings,
     scale_logits,
+    shard_hc_units,
 )
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["MHCPipelineStageModule", "apply_fsdp2", "hc_mixed_precision", "split_pipeline"]
+__all__ = ["MHCPipelineStageModule", "apply_fsdp2", "split_pipeline"]
 
 
 def _mesh_device_type(model: nn.Module) -> str:
@@ -91,11 +91,8 @@ def apply_fsdp2(
             raise RuntimeError("apply_fsdp2 needs a process group: call torch.distributed.init_process_group() first.")
         mesh = init_device_mesh(_mesh_device_type(model), (dist.get_world_size(),))
 
-    hc_policy = hc_mixed_precision()
     backbone_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
-    for module in model.modules():
-        if isinstance(module, HC_MODULE_CLASSES):
-            fully_shard(module, mesh=mesh, mp_policy=hc_policy, reshard_after_forward=reshard_after_forward)
+    shard_hc_units(hc_modules(model), mesh=mesh, reshard_after_forward=reshard_after_forward)
     for layer in decoder_layers:
         fully_shard(layer, mesh=mesh, mp_policy=backbone_policy, reshard_after_forward=reshard_after_forward)
     # The root (embedding, final norm, lm_head) is gathered for the whole forward and needed first in backward.

@@ -304,6 +304,20 @@ def hc_mixed_precision():
                                 cast_forward_inputs=False)
 
 
+def hc_modules(model: nn.Module) -> list[nn.Module]:
+    """The HC modules of ``model`` (``attn_hc``, ``ffn_hc``, ``hc_head``), in module order."""
+    return [module for module in model.modules() if isinstance(module, HC_MODULE_CLASSES)]
+
+
+def shard_hc_units(modules: Iterable[nn.Module], **fully_shard_options) -> None:
+    """``fully_shard`` each of ``modules`` as an FSDP2 unit of its own with :func:`hc_mixed_precision` (mesh,
+    resharding and offload as ``fully_shard_options`` say): the one way every FSDP2 path here shards the HC modules."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in modules:
+        fully_shard(module, mp_policy=hc_mixed_precision(), **fully_shard_options)
+
+
 class MHCDecoderLayer(GradientCheckpointingLayer):
     """The backbone family's decoder layer with its two residual adds replaced by mHC.
 
@@ -595,14 +609,11 @@ def shard_hyper_connections(model: PreTrainedModel, distributed_config, mesh_man
     shards the rest: gathered and computed in float32 and their gradients reduced in float32, also with
     ``fsdp_mixed_precision=True`` (which gathers every unit of transformers' own in bf16). They shard on the mesh and
     with the CPU offload transformers would use for them."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
     names = ("dp_replicate", "fsdp") if distributed_config.dp_replicate_size > 1 else "fsdp"
     options = {"offload_policy": CPUOffloadPolicy()} if distributed_config.fsdp_cpu_offload else {}
-    for module in model.modules():
-        if isinstance(module, HC_MODULE_CLASSES):
-            fully_shard(module, mesh=mesh_manager.get_mesh(names), mp_policy=hc_mixed_precision(),
-                        reshard_after_forward=True, **options)
+    shard_hc_units(hc_modules(model), mesh=mesh_manager.get_mesh(names), reshard_after_forward=True, **options)
 
 
 def pipeline_streams(model: PreTrainedModel, pp_mesh) -> None:
