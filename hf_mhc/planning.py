@@ -25,28 +25,56 @@
   small ``n² + 2n`` coefficient terms are left out. Compared with the layer's weight bytes read per token: at decode
   one read shared by the ``batch`` tokens of a step (of a MoE layer's ``E`` routed experts at most ``top_k · batch``),
   at prefill ``1 / (batch · tokens)`` of the whole layer.
+* **Activations**: the bytes autograd holds for backward after the training forward of the workload (one forward of
+  ``batch`` unpadded, unpacked sequences of ``tokens`` tokens with labels; parameters excluded), for the residual
+  model and its mHC upcycle, plain, with ``hc_recompute`` and with gradient checkpointing, by running the model's own
+  transformers forward on fake tensors (``FakeTensorMode``: shapes and dtypes, no memory, no weights) and counting
+  what its ops save (``saved_tensors_hooks``) and what its checkpoints keep (their inputs and a 5,056-byte copy of
+  the CPU random state each): exactly what the same forward holds on real CPU tensors (tested per family against
+  torch's profiler). Per token per layer: the storages first held inside the decoder layers, over ``batch · tokens
+  · layers``; the rest (embeddings, final norm, logits, loss) is reported apart. Kernels counted: torch's, as on
+  CPU (SDPA's fused kernel: ``q, k, v``, output, log-sum-exp), except that an attention whose ``q``/``k`` and ``v``
+  head dims differ (MLA) is counted as CUDA's memory-efficient SDPA kernel, which keeps the same set, where the CPU
+  would keep the ``T × T`` probabilities; float32 / float16 MoE experts as transformers' grouped-mm fallback
+  (torch's grouped-mm kernel takes bfloat16). Gradient checkpointing holds each layer's inputs; its backward
+  recomputes one layer at a time, adding up to the largest layer's bytes of the case without it.
 * **Pipeline boundary**: the ``n·C`` streams (``C`` for a residual model) of every token of a microbatch, in
   ``dtype``, cross each stage boundary forward (and their gradient backward).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+from torch._subclasses.fake_tensor import FakeTensorMode
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, masking_utils
 from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.initialization import no_init_weights
+from transformers.integrations import moe
 
 from .configuration_mhc import MHCConfig, check_backbone_type
 from .conversion.convert import DTYPES  # the model dtypes hf-mhc's commands take
+from .conversion.upcycle import mhc_config_for
+from .kernels.profiling import held_for_backward
 from .modeling_mhc import HC_MODULE_NAMES
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 WINDOW_TENSOR_BYTES = 8  # the int64 scalar a DynamicSlidingWindowLayer holds (its `_sliding_window_tensor`)
 SHARDED_TP_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise", "local_colwise", "local_rowwise")
+# The training setups whose activations a plan counts: (name, mHC model?, hc_recompute, gradient checkpointing).
+ACTIVATION_CASES = (
+    ("residual", False, False, False),
+    ("residual + gradient checkpointing", False, False, True),
+    ("mhc", True, False, False),
+    ("mhc + hc_recompute", True, True, False),
+    ("mhc + gradient checkpointing", True, False, True),
+)
 
 
 @dataclass
@@ -83,6 +111,11 @@ class MemoryPlan:
     mhc_traffic_over_weights_prefill: dict[str, float] = field(default_factory=dict)
     microbatches: int = 1
     pipeline_boundary_bytes_per_microbatch: int = 0
+    # Activations, keyed by ACTIVATION_CASES' names (the mHC cases only in a plan of an mHC model).
+    activation_bytes: dict[str, int] = field(default_factory=dict)  # held for backward, the whole workload
+    activation_bytes_per_token_layer: dict[str, float] = field(default_factory=dict)  # the decoder layers' share
+    activation_bytes_outside_layers: dict[str, int] = field(default_factory=dict)  # embeddings, norm, logits, loss
+    activation_largest_layer_bytes: dict[str, int] = field(default_factory=dict)  # one layer, the workload
 
     def to_dict(self) -> dict:
         """The plan as a JSON-ready dict."""
@@ -123,7 +156,6 @@ def _meta_model(backbone: PreTrainedConfig, hc_mult: int | None, residual_map: s
     if hc_mult is None:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(backbone)
-    from .conversion.upcycle import mhc_config_for
     from .modeling_mhc import MHCForCausalLM
 
     with torch.device("meta"):
@@ -155,6 +187,70 @@ def _layer_index(name: str) -> int | None:
         if index.isdigit():
             return int(index)
     return None
+
+
+@contextlib.contextmanager
+def _forward_as_in_training() -> Iterator[None]:
+    """Runs a transformers forward on fake tensors the way it runs on real ones in training, for the planned workload.
+
+    Three substitutions, undone on exit: the batch is declared unpacked (transformers would read the fake position
+    ids to find packed sequences, and under fake tensors keeps a materialised mask instead); MoE experts in float32 or
+    float16 take transformers' grouped-mm fallback (torch's grouped-mm checks its inputs are bfloat16 under fake
+    tensors); an SDPA call without a mask whose ``q``/``k`` and ``v`` head dims differ runs CUDA's memory-efficient
+    kernel op (shapes only), as on a GPU.
+    """
+    find_packed, can_use_grouped_mm = masking_utils.find_packed_sequence_indices, moe._can_use_grouped_mm
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def grouped_mm_takes(input, weight, offs) -> bool:
+        return weight.dtype == torch.bfloat16 and can_use_grouped_mm(input, weight, offs)
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None or query.shape[-1] == value.shape[-1] or enable_gqa or dropout_p:
+            return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, None, True, is_causal=is_causal, scale=scale)[0]
+
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    moe._can_use_grouped_mm = grouped_mm_takes
+    torch.nn.functional.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices, moe._can_use_grouped_mm = find_packed, can_use_grouped_mm
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+
+
+def activations_held(config: PreTrainedConfig, dtype: torch.dtype, *, batch: int, tokens: int,
+                     cases: tuple[tuple[bool, bool], ...] = ((False, False),)) -> list[dict[int | None, int]]:
+    """Bytes autograd holds for backward after a training forward (labels, no cache) of ``config``'s causal LM on
+    ``batch × tokens`` tokens, run on fake tensors; one dict per ``(hc_recompute, gradient_checkpointing)`` case, by
+    decoder-layer index (``None``: outside the layers).
+
+    ``config``: a backbone config or an :class:`MHCConfig`; weights in ``dtype`` (mHC maps float32). Parameters
+    count zero. See the module docstring for what is counted and how.
+    """
+    owner: list[int | None] = [None]
+    results = []
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, _forward_as_in_training():
+        with no_init_weights():  # the values are never read, and some initialisations check them
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).train()
+        for index, layer in enumerate(model.model.layers):
+            layer.register_forward_pre_hook(lambda module, args, index=index: owner.__setitem__(0, index))
+            layer.register_forward_hook(lambda module, args, output: owner.__setitem__(0, None))
+        input_ids = mode.from_tensor(torch.zeros(batch, tokens, dtype=torch.long))
+        for hc_recompute, gradient_checkpointing in cases:
+            if hc_recompute:
+                model.config.hc_recompute = True
+            if gradient_checkpointing:
+                model.activation_checkpointing_enable()
+            results.append(held_for_backward(lambda: model(input_ids, labels=input_ids, use_cache=False).loss,
+                                             exclude=tuple(model.parameters()), owner=lambda: owner[0]))
+            model.config.hc_recompute = False
+            if gradient_checkpointing:
+                model.activation_checkpointing_disable()
+    return results
 
 
 def plan_memory(
@@ -263,6 +359,22 @@ def plan_memory(
     prefill_weights = layer_weights / (batch * tokens)
     boundary = (batch // microbatches) * tokens * n * hidden * element
 
+    # Activations
+    held, per_token_layer, outside, largest = {}, {}, {}, {}
+    models = [(False, backbone)] + ([] if hc_mult is None else [
+        (True, mhc_config_for(backbone, hc_mult=hc_mult, hc_residual_map=residual_map))])
+    for is_mhc, model_config in models:
+        cases = [case for case in ACTIVATION_CASES if case[1] == is_mhc]
+        counts = activations_held(model_config, torch_dtype, batch=batch, tokens=tokens,
+                                  cases=tuple((recompute, checkpointing) for _, _, recompute, checkpointing in cases))
+        for (name, _, _, checkpointing), by_layer in zip(cases, counts, strict=True):
+            in_layers = [size for index, size in by_layer.items() if index is not None]
+            held[name] = sum(by_layer.values())
+            per_token_layer[name] = sum(in_layers) / (batch * tokens * layers)
+            outside[name] = by_layer.get(None, 0)
+            if not checkpointing:
+                largest[name] = max(in_layers)
+
     return MemoryPlan(
         model_type=backbone.model_type, hc_mult=hc_mult, residual_map=residual_map if hc_mult else None,
         hidden_size=hidden, num_layers=layers, dtype=dtype,
@@ -277,6 +389,8 @@ def plan_memory(
         mhc_traffic_over_weights_decode={"unfused": unfused / decode_weights, "fused": fused / decode_weights},
         mhc_traffic_over_weights_prefill={"unfused": unfused / prefill_weights, "fused": fused / prefill_weights},
         microbatches=microbatches, pipeline_boundary_bytes_per_microbatch=boundary,
+        activation_bytes=held, activation_bytes_per_token_layer=per_token_layer,
+        activation_bytes_outside_layers=outside, activation_largest_layer_bytes=largest,
     )
 
 
@@ -290,6 +404,7 @@ def format_bytes(size: float) -> str:
 
 def format_plan(plan: MemoryPlan) -> str:
     """A readable table of ``plan``."""
+    element = torch.tensor([], dtype=DTYPES[plan.dtype]).element_size()
     model = f"{plan.model_type}" + (f" as mHC, hc_mult {plan.hc_mult}, {plan.residual_map} residual map"
                                     if plan.hc_mult else " (residual)")
     rows = [
@@ -314,6 +429,17 @@ def format_plan(plan: MemoryPlan) -> str:
              f"{100 * decode['fused']:.3g} %;"
              f" prefill: unfused {prefill['unfused']:.3g}x, fused {prefill['fused']:.3g}x"),
         ]
+    rows.append(("activations held for backward", "per token per layer (decoder layers) | workload total"))
+    for name, per_token_layer in plan.activation_bytes_per_token_layer.items():
+        rows.append((f"  {name}", f"{per_token_layer:,.0f} B ({per_token_layer / (plan.hidden_size * element):.1f} C)"
+                     f" | {format_bytes(plan.activation_bytes[name])}"))
+    if plan.activation_bytes:
+        outside = {name.split(" + ")[0]: size for name, size in plan.activation_bytes_outside_layers.items()}
+        largest = max(plan.activation_largest_layer_bytes.values())
+        rows.append(("", "totals include what is held outside the layers (embeddings, final norm, logits, loss: "
+                     + ", ".join(f"{format_bytes(size)} {name}" for name, size in outside.items())
+                     + f"); with gradient checkpointing, backward adds one recomputed layer (at most"
+                     f" {format_bytes(largest)}); C = hidden size x {element} B"))
     rows.append(("pipeline boundary", f"{format_bytes(plan.pipeline_boundary_bytes_per_microbatch)} per microbatch "
                  f"({plan.microbatches} microbatches) at each stage boundary"))
     width = max(len(label) for label, _ in rows)

@@ -1,0 +1,132 @@
+"""``hf-mhc plan``'s activations: the bytes a training forward holds for backward, counted on fake tensors, against
+the same forward on real tensors (every family, residual and mHC, ``hc_recompute``, gradient checkpointing, two
+dtypes), the counter against torch's profiler, and the checkpointed cases by hand."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from conftest import FAMILY_SETTINGS, MOE_FAMILIES, tiny_backbone_config
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM
+from transformers.integrations import moe
+
+from hf_mhc.conversion.upcycle import mhc_config_for
+from hf_mhc.kernels.profiling import held_for_backward
+from hf_mhc.planning import ACTIVATION_CASES, _forward_as_in_training, activations_held, plan_memory
+
+BATCH, TOKENS = 2, 24  # more tokens than Mistral's and Gemma 3's sliding windows
+CASES = [(False, False), (True, False), (False, True)]  # (hc_recompute, gradient checkpointing)
+
+
+def backbone(family: str):
+    # DeepSeek-V3 with q/k and v head dims equal (8 + 8 = 16): torch's CPU SDPA then runs the fused kernel, as the
+    # plan counts; unequal dims are test_unequal_head_dims_count_as_the_memory_efficient_kernel's.
+    return tiny_backbone_config(family, **({"v_head_dim": 16} if family == "deepseek_v3" else {}))
+
+
+def real_held(model, cases) -> list[dict]:
+    """What :func:`activations_held` counts, on ``model``'s real tensors, with the same attribution to layers."""
+    owner = [None]
+    for index, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda module, args, index=index: owner.__setitem__(0, index))
+        layer.register_forward_hook(lambda module, args, output: owner.__setitem__(0, None))
+    input_ids = torch.randint(3, 100, (BATCH, TOKENS))
+    results = []
+    for hc_recompute, checkpointing in cases:
+        model.config.hc_recompute = hc_recompute
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        results.append(held_for_backward(lambda: model(input_ids, labels=input_ids, use_cache=False).loss,
+                                         exclude=tuple(model.parameters()), owner=lambda: owner[0]))
+        if checkpointing:
+            model.activation_checkpointing_disable()
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("family", list(FAMILY_SETTINGS))
+def test_planned_activations_equal_a_real_training_forward(family, dtype, monkeypatch, one_thread):
+    """Per layer and outside the layers, byte for byte. MoE experts in float32 take transformers' grouped-mm
+    fallback in both runs, as the plan counts them (torch's CPU kernel keeps 4·E more bytes of offsets)."""
+    grouped_mm = moe._can_use_grouped_mm
+    monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda input, weight, offs: (
+        weight.dtype == torch.bfloat16 and grouped_mm(input, weight, offs)))
+    config = backbone(family)
+    for model_config, cases in ((config, [CASES[0], CASES[2]]), (mhc_config_for(config, hc_mult=3), CASES)):
+        torch.manual_seed(0)
+        real = real_held(AutoModelForCausalLM.from_config(model_config, dtype=dtype).train(), cases)
+        planned = activations_held(model_config, dtype, batch=BATCH, tokens=TOKENS, cases=tuple(cases))
+        assert planned == real, (type(model_config).__name__, cases)
+        assert set(real[0]) == {None, *range(config.num_hidden_layers)}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe", "deepseek_v3"])
+def test_held_bytes_are_what_the_profiler_sees_allocated(family, one_thread):
+    """An independent count: the bytes a forward leaves allocated (torch's profiler) while its loss is alive, plus
+    the input ids it saves, less the loss itself, within 64 bytes (scalar constants some families make)."""
+    config = backbone(family)
+    input_ids = torch.randint(3, 100, (BATCH, TOKENS))
+    for model_config, (hc_recompute, checkpointing) in [(config, CASES[0]), (config, CASES[2])] + [
+            (mhc_config_for(config, hc_mult=4), case) for case in CASES]:
+        model = AutoModelForCausalLM.from_config(model_config).train()
+        model.config.hc_recompute = hc_recompute
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        held = sum(held_for_backward(lambda model=model: model(input_ids, labels=input_ids, use_cache=False).loss,
+                                     exclude=tuple(model.parameters())).values())
+        gc.collect()  # what the count's forward left in reference cycles is freed before, not during the profile
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+            loss = model(input_ids, labels=input_ids, use_cache=False).loss
+        allocated = sum(event.self_cpu_memory_usage for event in profiler.key_averages())
+        expected = allocated + input_ids.numel() * input_ids.element_size() - loss.numel() * loss.element_size()
+        assert abs(held - expected) <= 64, (type(model_config).__name__, hc_recompute, checkpointing, held, expected)
+        del loss  # freed before the next case's profiled forward
+
+
+def test_checkpointed_layers_hold_their_inputs_by_hand():
+    """Gradient checkpointing: per layer the hidden states entering it (``n·C`` streams for mHC) and a copy of the
+    CPU random state; the rotary ``cos`` and ``sin`` ``[1, T, head_dim]`` in the model's dtype and the position ids
+    ``[1, T]`` (int64) that every layer's keyword arguments pass, first held by layer 0."""
+    config = tiny_backbone_config("llama")  # C = 32, 2 layers, head_dim 8
+    plan = plan_memory(config, tokens=TOKENS, batch=BATCH, dtype="bfloat16", hc_mult=4)
+    rng_state = torch.get_rng_state().numel()
+    rotary = 2 * TOKENS * 8 * 2 + TOKENS * 8
+    layers, per_token = config.num_hidden_layers, BATCH * TOKENS
+    for name, width in (("residual + gradient checkpointing", 32), ("mhc + gradient checkpointing", 4 * 32)):
+        expected = layers * (per_token * width * 2 + rng_state) + rotary
+        assert plan.activation_bytes_per_token_layer[name] * per_token * layers == expected, name
+        assert plan.activation_bytes[name] == expected + plan.activation_bytes_outside_layers[name]
+
+
+def test_unequal_head_dims_count_as_the_memory_efficient_kernel():
+    """MLA's q/k head dim differs from its v head dim: counted as CUDA's memory-efficient SDPA kernel keeps it
+    (q, k, v, output, float32 log-sum-exp, two int64 RNG scalars), not the CPU math kernel's T × T probabilities."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    heads, tokens, qk_dim, v_dim = 4, 64, 24, 16
+    with FakeTensorMode(), _forward_as_in_training():
+        q, k = (torch.randn(1, heads, tokens, qk_dim, dtype=torch.bfloat16, requires_grad=True) * 1 for _ in "qk")
+        v = torch.randn(1, heads, tokens, v_dim, dtype=torch.bfloat16, requires_grad=True) * 1
+        held = held_for_backward(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    values = heads * tokens * (2 * qk_dim + 2 * v_dim)
+    assert sum(held.values()) == 2 * values + 4 * heads * tokens + 2 * 8
+    full = plan_memory(tiny_backbone_config("deepseek_v3"), tokens=256, dtype="bfloat16")  # v_head_dim 8 < 16
+    assert full.activation_bytes_per_token_layer["residual"] < 2 * plan_memory(
+        tiny_backbone_config("deepseek_v3"), tokens=32, dtype="bfloat16").activation_bytes_per_token_layer["residual"]
+
+
+def test_the_plan_reports_every_case():
+    plan = plan_memory(tiny_backbone_config("qwen3_moe"), tokens=TOKENS, batch=BATCH, dtype="bfloat16", hc_mult=4)
+    assert list(plan.activation_bytes) == [name for name, *_ in ACTIVATION_CASES]
+    mhc = plan.activation_bytes_per_token_layer
+    assert mhc["mhc + hc_recompute"] < mhc["mhc"] and mhc["mhc + gradient checkpointing"] < mhc["mhc + hc_recompute"]
+    assert set(plan.activation_largest_layer_bytes) == {"residual", "mhc", "mhc + hc_recompute"}
+    residual = plan_memory(tiny_backbone_config("qwen3_moe"), tokens=TOKENS, batch=BATCH, dtype="bfloat16")
+    assert list(residual.activation_bytes) == ["residual", "residual + gradient checkpointing"]
+    assert residual.activation_bytes["residual"] == plan.activation_bytes["residual"]
+    assert MOE_FAMILIES  # qwen3_moe: its dense layer 0 and its MoE layer 1 differ
+    assert plan.activation_largest_layer_bytes["residual"] * 2 > plan.activation_bytes["residual"] - (
+        plan.activation_bytes_outside_layers["residual"])
