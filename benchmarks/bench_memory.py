@@ -3,7 +3,9 @@ selective recomputation (``hc_recompute``) and gradient checkpointing.
 
     .venv/bin/python benchmarks/bench_memory.py [--hidden 512] [--layers 4] [--tokens 512] [--n 4] [--json PATH]
 
-Counts the distinct storages autograd keeps (``saved_tensors_hooks``), parameters excluded: deterministic, so one
+Counts the distinct storages autograd holds for backward once the forward has returned (what ops save through
+``saved_tensors_hooks`` and what checkpoints keep), parameters excluded, on the real model; beside it, what
+``hf-mhc plan`` predicts for the same model on fake tensors (``hf_mhc.planning.plan_memory``). Deterministic, so one
 run suffices. Prints each case to stderr as it is measured, then the table; the results are written as JSON only
 with ``--json PATH`` (otherwise printed after the table).
 """
@@ -18,6 +20,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_mhc
 from hf_mhc.kernels.profiling import saved_bytes_for_backward
+from hf_mhc.planning import plan_memory
+
+# The bench's cases that hf-mhc plan also counts, by the plan's name.
+PLANNED = {"residual Llama": "residual", "mHC n={n}": "mhc", "mHC n={n}, hc_recompute": "mhc + hc_recompute",
+           "mHC n={n}, gradient checkpointing": "mhc + gradient checkpointing",
+           "residual Llama, gradient checkpointing": "residual + gradient checkpointing"}
 
 
 def per_token_per_layer(model, ids, layers: int) -> float:
@@ -65,13 +73,18 @@ def main(argv: list[str] | None = None) -> None:
     residual.activation_checkpointing_enable()
     measure("residual Llama, gradient checkpointing", residual)
 
-    lines = [f"bytes saved for backward per token per layer: C={args.hidden}, {args.layers} layers, {args.tokens} "
-             f"tokens, fp32 (C*4 = {args.hidden * 4:,} bytes)",
-             "| model | bytes/token/layer | in units of C*4 |",
-             "| --- | ---: | ---: |"]
-    lines += [f"| {name} | {value:,.0f} | {value / (4 * args.hidden):.1f} |" for name, value in rows.items()]
+    progress("hf-mhc plan of the same model")
+    plan = plan_memory(config, tokens=args.tokens, dtype="float32", hc_mult=args.n)
+    planned = {name: plan.activation_bytes[case] / args.tokens / args.layers
+               for name, case in ((name.format(n=args.n), case) for name, case in PLANNED.items())}
+    lines = [f"bytes held for backward per token per layer (whole model / tokens / layers): C={args.hidden}, "
+             f"{args.layers} layers, {args.tokens} tokens, fp32 (C*4 = {args.hidden * 4:,} bytes)",
+             "| model | bytes/token/layer | in units of C*4 | hf-mhc plan |",
+             "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {name} | {value:,.0f} | {value / (4 * args.hidden):.1f} | "
+              + (f"{planned[name]:,.0f} |" if name in planned else "not planned |") for name, value in rows.items()]
     results = {"config": {key: value for key, value in vars(args).items() if key != "json"},
-               "bytes_per_token_per_layer": rows}
+               "bytes_per_token_per_layer": rows, "planned_bytes_per_token_per_layer": planned}
     report("\n".join(lines), results, args.json)
 
 

@@ -169,7 +169,8 @@ def _setup_inspect(parser: argparse.ArgumentParser) -> None:
 def _setup_plan(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Plan the memory of a model from its config alone (a folder or Hugging Face Hub model id; no weights are "
-        "read): KV cache, parameters per device, mHC stream traffic, pipeline-boundary bytes."
+        "read): KV cache, parameters per device, mHC stream traffic, activations held for backward (residual, mHC, "
+        "hc_recompute, gradient checkpointing), pipeline-boundary bytes."
     )
     parser.add_argument("config", metavar="CONFIG", help="folder holding config.json, or Hugging Face Hub model id")
     parser.add_argument("--tokens", type=int, default=8192, metavar="N", help="tokens per sequence (default 8192)")
@@ -191,7 +192,7 @@ def _setup_plan(parser: argparse.ArgumentParser) -> None:
 SUBCOMMANDS: dict[str, Subcommand] = {
     "convert": Subcommand("convert a residual causal-LM checkpoint into an mHC checkpoint", _setup_convert),
     "inspect": Subcommand("stability diagnostics of an mHC checkpoint", _setup_inspect),
-    "plan": Subcommand("plan KV cache, parameter and mHC stream memory from a config", _setup_plan),
+    "plan": Subcommand("plan KV cache, parameter, activation and mHC stream memory from a config", _setup_plan),
 }
 
 

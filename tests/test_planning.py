@@ -147,6 +147,9 @@ def test_hf_mhc_plan_prints_a_table_and_writes_json(tmp_path, capsys):
     assert numbers["kv_cache_bytes"] == expected.kv_cache_bytes
     assert numbers["kv_cache_bytes_per_token"] == expected.kv_cache_bytes_per_token
     assert numbers["hc_mult"] == 2
+    assert numbers["activation_bytes"] == expected.activation_bytes and len(numbers["activation_bytes"]) == 5
+    for name, per_token_layer in expected.activation_bytes_per_token_layer.items():
+        assert f"  {name}  " in table and f"{per_token_layer:,.0f} B" in table, name
     mhc_folder = tmp_path / "mhc"  # an mHC config plans with its own hc_mult
     MHCConfig(backbone_config=CASES["gemma3_text"].to_dict(), hc_mult=3).save_pretrained(mhc_folder)
     assert main(["plan", str(mhc_folder), "--tokens", str(TOKENS), "--json", str(out)]) == 0
