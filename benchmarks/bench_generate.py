@@ -77,37 +77,45 @@ def spread(times: list[float], baseline: list[float], name: str) -> dict:
             f"{name}_ratio_min": min(ratios), f"{name}_ratio_max": max(ratios)}
 
 
-def compare(source, model, input_ids, args, label: str, **options) -> dict:
-    """Alternate the residual model, the mHC model and the mHC model without the fast path ``--repeats`` times
-    (after one warm-up each); the timings and their ratios to the residual model."""
+def compare(source, model, input_ids, args, label: str, eager_model=None, **options) -> dict:
+    """Alternate the residual model, the mHC model and the mHC model without the fast path (``eager_model``, by
+    default ``model``) ``--repeats`` times (after one warm-up each); the timings and their ratios to the residual
+    model."""
+    eager_model = model if eager_model is None else eager_model
     _, expected = timed_generate(source, input_ids, args.new_tokens, **options)
     _, tokens = timed_generate(model, input_ids, args.new_tokens, **options)
     with eager_kernels():
-        _, eager_tokens = timed_generate(model, input_ids, args.new_tokens, **options)
+        _, eager_tokens = timed_generate(eager_model, input_ids, args.new_tokens, **options)
     residual, mhc, eager = [], [], []
     for repeat in range(args.repeats):
         progress(f"{label}: repeat {repeat + 1}/{args.repeats}")
         residual.append(timed_generate(source, input_ids, args.new_tokens, **options)[0])
         mhc.append(timed_generate(model, input_ids, args.new_tokens, **options)[0])
         with eager_kernels():
-            eager.append(timed_generate(model, input_ids, args.new_tokens, **options)[0])
+            eager.append(timed_generate(eager_model, input_ids, args.new_tokens, **options)[0])
     return ({"residual_ms_per_token": 1e3 * statistics.median(residual)} | spread(mhc, residual, "mhc")
             | spread(eager, residual, "mhc_eager")
             | {"tokens_equal": bool(torch.equal(tokens, expected) and torch.equal(eager_tokens, expected))})
 
 
 def static_compiled(source, model, input_ids, args, label: str) -> dict:
-    """``cache_implementation="static"`` with ``torch.compile``: the first call's seconds (compiling), then timings."""
+    """``cache_implementation="static"`` with ``torch.compile``: the first call's seconds (compiling), then timings.
+    The mHC model without the fast path is a copy compiled with the switch off: a compiled step keeps the path it
+    was traced with."""
     compile_config = CompileConfig(fullgraph=True)
     compile_config._compile_all_devices = True  # generate compiles only on accelerators unless told (not an argument)
     options = {"cache_implementation": "static", "compile_config": compile_config}
+    eager_model = copy.deepcopy(model)
     first = {}
-    for name, candidate in (("residual", source), ("mhc", model)):
+    plain = contextlib.nullcontext
+    for name, candidate, switch in (("residual", source, plain), ("mhc", model, plain),
+                                    ("mhc_eager", eager_model, eager_kernels)):
         progress(f"{label}: compiling {name}")
         start = time.perf_counter()
-        timed_generate(candidate, input_ids, args.new_tokens, **options)
+        with switch():
+            timed_generate(candidate, input_ids, args.new_tokens, **options)
         first[f"{name}_first_call_s"] = time.perf_counter() - start
-    return first | compare(source, model, input_ids, args, label, **options)
+    return first | compare(source, model, input_ids, args, label, eager_model=eager_model, **options)
 
 
 def profile_mhc(model, input_ids, args) -> str:

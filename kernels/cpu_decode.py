@@ -6,6 +6,11 @@ tokens on CPU, with no gradient wanted, ``kernels/functional.py`` calls the C++ 
 instead: ``coeffs_pre`` (``mix`` by one GEMM, the residual map, the ``pre`` collapse), ``post_res`` and ``head``,
 each one call with ``at::parallel_for`` over the tokens, the numbers of ``hf_mhc.mhc_reference`` to float32 rounding.
 
+Under ``torch.compile`` (``generate`` with a static cache and a compile config) the same kernels run as the custom
+ops ``hf_mhc::cpu_decode_coeffs_pre`` / ``_post_res`` / ``_head`` (shapes for tracing, the C++ call at run time),
+so a compiled decode step calls them as eager decoding does; in eager mode they are called directly (the
+dispatcher's few microseconds per call saved).
+
 The source is JIT-built once with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, the ``ninja`` package of
 the dependencies) into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), under a name that hashes the
 source and the torch and Python versions, so later processes load the built library. A failed build warns once
@@ -25,6 +30,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from .common import MAP_CODES
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 MAX_TOKENS = 64  # tokens (all leading dims) up to which the fast path runs; measured crossover in the README
@@ -93,17 +100,84 @@ def kernels() -> ModuleType | None:
         return None
 
 
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether the fast path is switched on and its kernels built (under ``torch.compile``: decided when tracing)."""
+    return enabled() and kernels() is not None
+
+
 def applies(streams: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """Whether a call on ``streams [..., n, C]`` (and the op's other ``tensors``) takes the fast path: CPU float32 /
-    bfloat16 / float16 plain tensors (no ``DTensor``) with at most ``MAX_TOKENS`` tokens, no gradient wanted (grad mode
-    off, or no input requires grad), not under ``torch.compile``, the switch on and the kernels built."""
+    bfloat16 / float16 tensors with at most ``MAX_TOKENS`` tokens, no gradient wanted (grad mode off, or no input
+    requires grad), plain tensors (no ``DTensor``; under ``torch.compile`` the traced tensors stand for them), the
+    switch on and the kernels built."""
     return (
-        not torch.compiler.is_compiling()
-        and streams.device.type == "cpu"
+        streams.device.type == "cpu"
         and streams.dtype in FAST_DTYPES
         and 0 < math.prod(streams.shape[:-2]) <= MAX_TOKENS
-        and all(type(t) in PLAIN_TENSORS for t in (streams, *tensors))
+        and (torch.compiler.is_compiling() or all(type(t) in PLAIN_TENSORS for t in (streams, *tensors)))
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in (streams, *tensors)))
-        and enabled()
-        and kernels() is not None
+        and available()
     )
+
+
+def _lead(streams: torch.Tensor, *last: int) -> list[int]:
+    return [*streams.shape[:-2], *last]
+
+
+@torch.library.custom_op("hf_mhc::cpu_decode_coeffs_pre", mutates_args=())
+def _coeffs_pre_op(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                   eps: float, norm_eps: float, map_code: int, post_magnitude: float,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(kernels().coeffs_pre(streams, fn, base, scale, iters, eps, norm_eps, map_code, post_magnitude))
+
+
+@_coeffs_pre_op.register_fake
+def _(streams, fn, base, scale, iters, eps, norm_eps, map_code, post_magnitude):
+    n, hidden = streams.shape[-2:]
+    comb_size = [0] if map_code == MAP_CODES["identity"] else _lead(streams, n, n)
+    return (streams.new_empty(_lead(streams, hidden)), streams.new_empty(_lead(streams, n), dtype=torch.float32),
+            streams.new_empty(comb_size, dtype=torch.float32))
+
+
+@torch.library.custom_op("hf_mhc::cpu_decode_post_res", mutates_args=())
+def _post_res_op(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 identity: bool) -> torch.Tensor:
+    return kernels().post_res(streams, y, post, comb, identity)
+
+
+@_post_res_op.register_fake
+def _(streams, y, post, comb, identity):
+    return torch.empty_like(streams, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("hf_mhc::cpu_decode_head", mutates_args=())
+def _head_op(streams: torch.Tensor, hc_fn: torch.Tensor, hc_base: torch.Tensor, hc_scale: torch.Tensor, eps: float,
+             norm_eps: float) -> torch.Tensor:
+    return kernels().head(streams, hc_fn, hc_base, hc_scale, eps, norm_eps)
+
+
+@_head_op.register_fake
+def _(streams, hc_fn, hc_base, hc_scale, eps, norm_eps):
+    return streams.new_empty(_lead(streams, streams.shape[-1]))
+
+
+def coeffs_pre(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, post, comb)`` of ``cpu_decode.cpp``'s ``coeffs_pre`` (its arguments); the custom op under compile."""
+    if torch.compiler.is_compiling():
+        return _coeffs_pre_op(*args)
+    return kernels().coeffs_pre(*args)
+
+
+def post_res(*args) -> torch.Tensor:
+    """The new streams of ``cpu_decode.cpp``'s ``post_res`` (its arguments); the custom op under compile."""
+    if torch.compiler.is_compiling():
+        return _post_res_op(*args)
+    return kernels().post_res(*args)
+
+
+def head(*args) -> torch.Tensor:
+    """``y`` of ``cpu_decode.cpp``'s ``head`` (its arguments); the custom op under compile."""
+    if torch.compiler.is_compiling():
+        return _head_op(*args)
+    return kernels().head(*args)

@@ -14,9 +14,9 @@ scale). With ``"identity"``, ``mhc_coeffs_pre`` returns ``comb=None`` and ``mhc_
 the streams unmixed; ``mhc_coeffs`` returns the comb applied, the identity.
 
 On CPU with the torch backend, ``mhc_coeffs_pre``, ``mhc_post_res`` and ``mhc_head`` run a call of at most
-``cpu_decode.MAX_TOKENS`` tokens that needs no gradient (grad mode off or no input requiring grad; not under
-``torch.compile``) as one fused C++ call (``kernels/cpu_decode.py``: decoding), with the same numbers to float32
-rounding.
+``cpu_decode.MAX_TOKENS`` tokens that needs no gradient (grad mode off or no input requiring grad) as one fused C++
+call (``kernels/cpu_decode.py``: decoding; under ``torch.compile`` a custom op that makes that call), with the same
+numbers to float32 rounding.
 
 Every op is a ``torch.library`` custom op with its own backward, so ``torch.compile(fullgraph=True)`` traces through
 it. The numbers are those of the plain formula in ``hf_mhc.mhc_reference`` whatever the backend; a failing Triton
@@ -176,8 +176,8 @@ def mhc_coeffs_pre(
                        post_magnitude)
     backend = resolve_backend(backend, streams)
     if backend == "torch" and cpu_decode.applies(streams, fn, base, scale):
-        y, post, comb = cpu_decode.kernels().coeffs_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps,
-                                                        MAP_CODES[residual_map], float(post_magnitude))
+        y, post, comb = cpu_decode.coeffs_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps,
+                                              MAP_CODES[residual_map], float(post_magnitude))
         return y, post, None if residual_map == "identity" else comb
     y, post, comb, _, _, _ = mhc_coeffs_pre_fwd_op(
         streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend, residual_map, float(post_magnitude),
@@ -219,7 +219,7 @@ def mhc_post_res(
         comb = post.new_empty(0, dtype=torch.float32)
     backend = resolve_backend(backend, streams)
     if backend == "torch" and y.dtype == streams.dtype and cpu_decode.applies(streams, y, post, comb):
-        return cpu_decode.kernels().post_res(streams, y, post, comb, identity)
+        return cpu_decode.post_res(streams, y, post, comb, identity)
     return mhc_post_res_fwd_op(streams, y, post, comb, backend, identity)
 
 
@@ -244,6 +244,6 @@ def mhc_head(
         )
     backend = resolve_backend(backend, streams)
     if backend == "torch" and cpu_decode.applies(streams, hc_fn, hc_base, hc_scale):
-        return cpu_decode.kernels().head(streams, hc_fn, hc_base, hc_scale, eps, norm_eps)
+        return cpu_decode.head(streams, hc_fn, hc_base, hc_scale, eps, norm_eps)
     y, _, _, _ = mhc_head_fwd_op(streams, hc_fn, hc_base, hc_scale, eps, norm_eps, backend)
     return y

@@ -187,10 +187,49 @@ def test_dispatch_takes_the_fast_path_only_without_grad(counted, monkeypatch):
         run_site()
     assert counted["coeffs_pre"] == 2
     monkeypatch.delenv(cpu_decode.ENV_SWITCH)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+
+
+@pytest.mark.parametrize("residual_map", ["sinkhorn", "identity"])
+def test_compiled_decode_calls_the_kernels_through_their_custom_ops(counted, residual_map):
+    """Under ``torch.compile(fullgraph=True)`` a no-grad site traces to the ``hf_mhc::cpu_decode_*`` ops, whose run
+    calls the C++ kernels (counted), with the eager fast path's numbers exactly; with grad it traces the training
+    ops instead."""
+    n = 4
+    streams = torch.randn(2, 1, n, HIDDEN)
+    fn, base, scale = site_params(n, residual_map)
+    hc_fn, hc_base, hc_scale = torch.randn(n, n * HIDDEN) * 0.5, torch.randn(n), torch.rand(1) + 0.5
+
+    def site(streams):
+        y, post, comb = functional.mhc_coeffs_pre(streams, fn, base, scale, sinkhorn_iters=20, eps=1e-6,
+                                                  norm_eps=1e-6, residual_map=residual_map)
+        new = functional.mhc_post_res(streams, y, post, comb)
+        return new, functional.mhc_head(new, hc_fn, hc_base, hc_scale, eps=1e-6, norm_eps=1e-6)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(site, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
-        run_site()
-    assert counted == {"coeffs_pre": 2, "post_res": 2, "head": 2}
+        expected = site(streams)
+        assert counted == {"coeffs_pre": 1, "post_res": 1, "head": 1}
+        outputs = compiled(streams)
+        outputs = compiled(streams)  # the second call runs the compiled graph alone
+    assert counted == {"coeffs_pre": 3, "post_res": 3, "head": 3}
+    for out, ref in zip(outputs, expected, strict=True):
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    fn.requires_grad_(True)
+    torch._dynamo.reset()
+    new, _ = torch.compile(site, fullgraph=True, backend="aot_eager")(streams)
+    assert new.grad_fn is not None and counted["coeffs_pre"] == 3
+
+
+def test_the_decode_custom_ops_are_well_formed(built):
+    n, streams = 3, torch.randn(2, 3, 3, HIDDEN)
+    fn, base, scale = site_params(n, "sinkhorn")
+    y, post, comb = built.coeffs_pre(streams, fn, base, scale, 5, 1e-6, 1e-6, 0, 2.0)
+    hc = torch.randn(n, n * HIDDEN), torch.randn(n), torch.rand(1)
+    for op, args in ((cpu_decode._coeffs_pre_op, (streams, fn, base, scale, 5, 1e-6, 1e-6, 0, 2.0)),
+                     (cpu_decode._post_res_op, (streams, y, post, comb, False)),
+                     (cpu_decode._head_op, (streams, *hc, 1e-6, 1e-6))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("residual_map", ["sinkhorn", "unconstrained"])
