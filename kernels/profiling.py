@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterator
 
 import torch
@@ -26,33 +28,39 @@ def _tensors(value) -> Iterator[torch.Tensor]:
         yield from _tensors(value.keywords)
 
 
+def _closure_tensors(function: Callable) -> Iterator[torch.Tensor]:
+    """The tensors bound in ``function``'s closure (cells not yet assigned skipped)."""
+    for cell in function.__closure__ or ():
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # a variable of the enclosing function that was never assigned
+            continue
+        yield from _tensors(contents)
+
+
 @contextlib.contextmanager
-def _recording_checkpoint_inputs(record: Callable[[torch.Tensor], None],
-                                 record_copy: Callable[[torch.Tensor], None]) -> Iterator[None]:
-    """Calls ``record`` on every tensor a non-reentrant ``torch.utils.checkpoint`` keeps to recompute its region: its
-    arguments, those bound in a ``functools.partial`` it runs (transformers' gradient checkpointing passes the layer's
-    keyword arguments so), and, with ``preserve_rng_state`` (the default), a copy of the CPU random generator's state
-    (5,056 bytes) and of each initialised device generator's, made here again and passed to ``record_copy``.
-    Autograd holds them, not through ``saved_tensors_hooks``."""
-    original = torch_checkpoint._checkpoint_without_reentrant_generator
+def _recording_checkpoints(record: Callable[[object, torch.Tensor], None]) -> Iterator[None]:
+    """Calls ``record(frame, tensor)`` on every tensor a non-reentrant ``torch.utils.checkpoint`` of this thread
+    keeps to recompute its region, when it keeps them (grad enabled): its positional arguments, and what its
+    recomputation closure binds: the keyword arguments, the tensors of a ``functools.partial`` it runs
+    (transformers' gradient checkpointing passes the layer's keyword arguments so) and, with ``preserve_rng_state``
+    (the default), the copies of the CPU random state (5,056 bytes) and of each initialised device generator's. The
+    checkpoint's frame holds them, not ``saved_tensors_hooks``; they are held as long as ``frame`` lives."""
+    original = torch_checkpoint._CheckpointFrame
+    thread = threading.get_ident()
 
-    def recording(fn, preserve_rng_state=True, *args, **kwargs):
-        inputs = (fn, args, kwargs)
-        for tensor in _tensors(inputs):
-            record(tensor)
-        if preserve_rng_state:
-            record_copy(torch.get_rng_state())
-            device_type = torch_checkpoint._infer_device_type(*_tensors(inputs))
-            if getattr(torch_checkpoint._get_device_module(device_type), "_initialized", False):
-                for state in torch_checkpoint.get_device_states(*_tensors(inputs))[1]:
-                    record_copy(state)
-        return original(fn, preserve_rng_state, *args, **kwargs)
+    class RecordingFrame(original):
+        def save_inputs(self, *args):
+            super().save_inputs(*args)
+            if threading.get_ident() == thread:
+                for tensor in (*_tensors(args), *_closure_tensors(self.recompute_fn)):
+                    record(self, tensor)
 
-    torch_checkpoint._checkpoint_without_reentrant_generator = recording
+    torch_checkpoint._CheckpointFrame = RecordingFrame
     try:
         yield
     finally:
-        torch_checkpoint._checkpoint_without_reentrant_generator = original
+        torch_checkpoint._CheckpointFrame = original
 
 
 def held_for_backward(forward: Callable[[], object], exclude: tuple[torch.Tensor, ...] = (),
@@ -60,42 +68,42 @@ def held_for_backward(forward: Callable[[], object], exclude: tuple[torch.Tensor
     """Bytes of the distinct storages autograd holds for backward once ``forward()`` has returned, by owner.
 
     Held: what ops save (``saved_tensors_hooks``) and what non-reentrant checkpoints keep to recompute their regions
-    (gradient checkpointing, ``hc_recompute``), counted while ``forward()``'s result is alive, so a storage saved by
-    a part of the graph that was dropped (a branch that needs no gradient) counts zero. A storage held several times
-    (the streams, kept by every op of an mHC site) counts once, for the ``owner()`` current when it was first held;
-    the storages of ``exclude`` (the parameters, which exist anyway) count zero. Works on real and on fake tensors
-    (``FakeTensorMode``: the bytes a forward would hold, without memory).
+    (gradient checkpointing, ``hc_recompute``), counted while ``forward()``'s result is alive: a storage counts while
+    it lives, what only a checkpoint keeps (its keyword arguments, random states) while its graph lives. So a dropped
+    part of the graph (a branch that needs no gradient) counts zero for what it saved of tensors freed with it, but
+    not for a tensor that lives on elsewhere, nor for an output it saved of its own (kept alive by the counting's
+    hooks, a reference cycle through autograd). A storage held several times (the streams, kept by every op of an mHC
+    site) counts once, for the ``owner()`` current when it was first held; the storages of ``exclude`` (the
+    parameters, which exist anyway) count zero. Works on real and on fake tensors (``FakeTensorMode``: the bytes a
+    forward would hold, without memory). Reentrant checkpoints (``use_reentrant=True``) are counted by what they
+    save (their tensor inputs), not by the random state they keep aside.
     """
     excluded = {StorageWeakRef(tensor.untyped_storage()).cdata for tensor in exclude}
-    held: dict[int, tuple[StorageWeakRef, int, Hashable]] = {}
-    states: list[torch.Tensor] = []  # the checkpoints' generator states: copies only they hold, kept alive here
+    held: dict[int, tuple[StorageWeakRef, int, Hashable, list]] = {}
 
-    def hold(tensor: torch.Tensor) -> None:
+    def hold(tensor: torch.Tensor, frame: object = None) -> None:
         storage = tensor.untyped_storage()
         ref = StorageWeakRef(storage)
         if ref.cdata in excluded:
             return
         known = held.get(ref.cdata)
         if known is None or known[0].expired():  # a new storage, or a freed one's address reused
-            held[ref.cdata] = (ref, storage.nbytes(), owner())
+            known = held[ref.cdata] = (ref, storage.nbytes(), owner(), [])
+        # Who holds it: autograd's saved tensors (None) for as long as the storage lives, or a checkpoint's frame.
+        known[3].append(None if frame is None else weakref.ref(frame))
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         hold(tensor)
         return tensor
 
-    def hold_copy(state: torch.Tensor) -> None:
-        states.append(state)
-        hold(state)
-
-    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
-          _recording_checkpoint_inputs(hold, hold_copy)):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), _recording_checkpoints(
+            lambda frame, tensor: hold(tensor, frame)):
         result = forward()
     by_owner: dict[Hashable, int] = {}
-    for ref, size, who in held.values():
-        if not ref.expired():
+    for ref, size, who, holders in held.values():
+        if not ref.expired() and any(holder is None or holder() is not None for holder in holders):
             by_owner[who] = by_owner.get(who, 0) + size
     del result
-    states.clear()
     return by_owner
 
 

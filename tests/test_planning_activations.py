@@ -5,14 +5,18 @@ dtypes), the counter against torch's profiler, and the checkpointed cases by han
 from __future__ import annotations
 
 import gc
+import json
+import threading
 
 import pytest
 import torch
 from conftest import FAMILY_SETTINGS, MOE_FAMILIES, tiny_backbone_config
 from torch.profiler import ProfilerActivity, profile
-from transformers import AutoModelForCausalLM
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoConfig, AutoModelForCausalLM, masking_utils
 from transformers.integrations import moe
 
+import hf_mhc
 from hf_mhc.conversion.upcycle import mhc_config_for
 from hf_mhc.kernels.profiling import held_for_backward
 from hf_mhc.planning import ACTIVATION_CASES, _forward_as_in_training, activations_held, plan_memory
@@ -130,3 +134,82 @@ def test_the_plan_reports_every_case():
     assert MOE_FAMILIES  # qwen3_moe: its dense layer 0 and its MoE layer 1 differ
     assert plan.activation_largest_layer_bytes["residual"] * 2 > plan.activation_bytes["residual"] - (
         plan.activation_bytes_outside_layers["residual"])
+
+
+def test_checkpoints_count_only_what_they_keep():
+    """By hand on real tensors: a checkpoint keeps its input, its keyword tensor and a copy of the CPU random state;
+    under ``no_grad`` nothing; dropped, nothing (its keyword tensor lives on, not held by it); another thread's
+    checkpoint is not this forward's."""
+    x, w = torch.randn(1000, requires_grad=True), torch.randn(1000)
+
+    def region(a, *, b):
+        return (a * b).sin()
+
+    def checkpointed():
+        return checkpoint(region, x * 1, b=w, use_reentrant=False)
+
+    state = torch.get_rng_state().numel()
+    assert held_for_backward(checkpointed) == {None: 4000 + 4000 + state}
+    with torch.no_grad():
+        assert held_for_backward(checkpointed) == {}
+
+    def dropped():
+        checkpointed()
+        return (x * 2).sum()  # saves nothing
+
+    assert held_for_backward(dropped) == {}
+    kept = []
+
+    def beside_a_thread():
+        thread = threading.Thread(target=lambda: kept.append(checkpointed()))
+        thread.start()
+        thread.join()
+        return (x * 2).sum()
+
+    assert held_for_backward(beside_a_thread) == {} and len(kept) == 1
+
+
+def test_activations_held_sets_each_case_on_a_copy():
+    """An MHCConfig saved with ``hc_recompute=True`` counts the plain case plainly, and neither config changes."""
+    backbone_config = tiny_backbone_config("llama")
+    recomputing = mhc_config_for(backbone_config, hc_mult=2, hc_recompute=True)
+    plain, recomputed = activations_held(recomputing, torch.float32, batch=BATCH, tokens=TOKENS,
+                                         cases=((False, False), (True, False)))
+    reference = mhc_config_for(backbone_config, hc_mult=2)
+    assert [plain, recomputed] == activations_held(reference, torch.float32, batch=BATCH, tokens=TOKENS,
+                                                   cases=((False, False), (True, False)))
+    assert plain != recomputed and recomputing.hc_recompute is True and reference.hc_recompute is False
+    activations_held(backbone_config, torch.float32, batch=BATCH, tokens=TOKENS)
+    assert "hc_recompute" not in backbone_config.to_dict()
+
+
+def test_the_mhc_plan_runs_the_configs_attention(tmp_path, one_thread):
+    """A config.json saved with ``attn_implementation: eager`` (the ``T × T`` probabilities held): the mHC cases
+    run it too, as ``hf_mhc.upcycle`` of that model does (counted on its real tensors)."""
+    folder = tmp_path / "eager"
+    tiny_backbone_config("llama").save_pretrained(folder)
+    saved = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**saved, "attn_implementation": "eager"}))
+    plan = plan_memory(folder, tokens=TOKENS, batch=BATCH, dtype="float32", hc_mult=2)
+    torch.manual_seed(0)
+    upcycled = hf_mhc.upcycle(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).train(), hc_mult=2)
+    assert upcycled.config._attn_implementation == "eager"
+    for (name, *_), real in zip(ACTIVATION_CASES[2:], real_held(upcycled, CASES), strict=True):
+        assert plan.activation_bytes[name] == sum(real.values()), name
+
+
+def test_the_substitutions_leave_real_tensors_alone(one_thread):
+    """While a plan runs, a real-tensor call (another thread's training step) gets the originals' results."""
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    q, k = torch.randn(2, 1, 2, 6, 8, dtype=torch.float64).unbind()
+    v = torch.randn(1, 2, 6, 4, dtype=torch.float64)
+    weight = torch.randn(4, 8, 8)
+    inputs, offsets = torch.randn(6, 8), torch.tensor([2, 4, 6, 6], dtype=torch.int32)
+    expected = (masking_utils.find_packed_sequence_indices(position_ids),
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                moe._can_use_grouped_mm(inputs, weight, offsets))
+    with _forward_as_in_training():
+        got = (masking_utils.find_packed_sequence_indices(position_ids),
+               torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+               moe._can_use_grouped_mm(inputs, weight, offsets))
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]) and got[2] == expected[2]
