@@ -40,27 +40,39 @@ def _closure_tensors(function: Callable) -> Iterator[torch.Tensor]:
 
 @contextlib.contextmanager
 def _recording_checkpoints(record: Callable[[object, torch.Tensor], None]) -> Iterator[None]:
-    """Calls ``record(frame, tensor)`` on every tensor a non-reentrant ``torch.utils.checkpoint`` of this thread
-    keeps to recompute its region, when it keeps them (grad enabled): its positional arguments, and what its
-    recomputation closure binds: the keyword arguments, the tensors of a ``functools.partial`` it runs
-    (transformers' gradient checkpointing passes the layer's keyword arguments so) and, with ``preserve_rng_state``
-    (the default), the copies of the CPU random state (5,056 bytes) and of each initialised device generator's. The
-    checkpoint's frame holds them, not ``saved_tensors_hooks``; they are held as long as ``frame`` lives."""
-    original = torch_checkpoint._CheckpointFrame
+    """Calls ``record(holder, tensor)`` on every tensor a ``torch.utils.checkpoint`` of this thread keeps aside (not
+    through ``saved_tensors_hooks``) to recompute its region, when it keeps them (grad enabled); they are held as long
+    as ``holder`` lives (the checkpoint's frame, or the autograd node of a reentrant one). Non-reentrant: its
+    positional arguments, and what its recomputation closure binds: the keyword arguments, the tensors of a
+    ``functools.partial`` it runs (transformers' gradient checkpointing passes the layer's keyword arguments so)
+    and, with ``preserve_rng_state`` (the default), the copies of the CPU random state (5,056 bytes) and of each
+    initialised device generator's. Reentrant (``use_reentrant=True``): the ``partial``'s tensors and the copies of
+    the random states (its tensor arguments it saves through the hooks)."""
+    frame_class, function_class = torch_checkpoint._CheckpointFrame, torch_checkpoint.CheckpointFunction
     thread = threading.get_ident()
 
-    class RecordingFrame(original):
+    class RecordingFrame(frame_class):
         def save_inputs(self, *args):
             super().save_inputs(*args)
             if threading.get_ident() == thread:
                 for tensor in (*_tensors(args), *_closure_tensors(self.recompute_fn)):
                     record(self, tensor)
 
-    torch_checkpoint._CheckpointFrame = RecordingFrame
+    class RecordingFunction(function_class):
+        @staticmethod
+        def forward(ctx, run_function, preserve_rng_state, *args):
+            outputs = function_class.forward(ctx, run_function, preserve_rng_state, *args)
+            if threading.get_ident() == thread:
+                kept = (run_function, getattr(ctx, "fwd_cpu_state", None), getattr(ctx, "fwd_device_states", None))
+                for tensor in _tensors(kept):
+                    record(ctx, tensor)
+            return outputs
+
+    torch_checkpoint._CheckpointFrame, torch_checkpoint.CheckpointFunction = RecordingFrame, RecordingFunction
     try:
         yield
     finally:
-        torch_checkpoint._CheckpointFrame = original
+        torch_checkpoint._CheckpointFrame, torch_checkpoint.CheckpointFunction = frame_class, function_class
 
 
 def held_for_backward(forward: Callable[[], object], exclude: tuple[torch.Tensor, ...] = (),
@@ -75,8 +87,7 @@ def held_for_backward(forward: Callable[[], object], exclude: tuple[torch.Tensor
     hooks, a reference cycle through autograd). A storage held several times (the streams, kept by every op of an mHC
     site) counts once, for the ``owner()`` current when it was first held; the storages of ``exclude`` (the
     parameters, which exist anyway) count zero. Works on real and on fake tensors (``FakeTensorMode``: the bytes a
-    forward would hold, without memory). Reentrant checkpoints (``use_reentrant=True``) are counted by what they
-    save (their tensor inputs), not by the random state they keep aside.
+    forward would hold, without memory).
     """
     excluded = {StorageWeakRef(tensor.untyped_storage()).cdata for tensor in exclude}
     held: dict[int, tuple[StorageWeakRef, int, Hashable, list]] = {}

@@ -4,6 +4,7 @@ dtypes), the counter against torch's profiler, and the checkpointed cases by han
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import threading
@@ -90,6 +91,24 @@ def test_held_bytes_are_what_the_profiler_sees_allocated(family, one_thread):
         del loss  # freed before the next case's profiled forward
 
 
+def test_reentrant_gradient_checkpointing_is_what_the_profiler_sees_allocated(one_thread):
+    """Transformers' gradient checkpointing with ``use_reentrant=True`` (a Trainer option), residual and mHC, as
+    the test above."""
+    input_ids = torch.randint(3, 100, (BATCH, TOKENS))
+    for model_config in (tiny_backbone_config("llama"), mhc_config_for(tiny_backbone_config("llama"), hc_mult=4)):
+        model = AutoModelForCausalLM.from_config(model_config).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        held = sum(held_for_backward(lambda model=model: model(input_ids, labels=input_ids, use_cache=False).loss,
+                                     exclude=tuple(model.parameters())).values())
+        gc.collect()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+            loss = model(input_ids, labels=input_ids, use_cache=False).loss
+        allocated = sum(event.self_cpu_memory_usage for event in profiler.key_averages())
+        expected = allocated + input_ids.numel() * input_ids.element_size() - loss.numel() * loss.element_size()
+        assert abs(held - expected) <= 64, (type(model_config).__name__, held, expected)
+        del loss
+
+
 def test_checkpointed_layers_hold_their_inputs_by_hand():
     """Gradient checkpointing: per layer the hidden states entering it (``n·C`` streams for mHC) and a copy of the
     CPU random state; the rotary ``cos`` and ``sin`` ``[1, T, head_dim]`` in the model's dtype and the position ids
@@ -167,6 +186,21 @@ def test_checkpoints_count_only_what_they_keep():
         return (x * 2).sum()
 
     assert held_for_backward(beside_a_thread) == {} and len(kept) == 1
+
+
+def test_reentrant_checkpoints_count_their_random_state():
+    """``use_reentrant=True``: the input it saves, the tensor a ``functools.partial`` binds and the CPU random state
+    kept on its autograd node; nothing once dropped."""
+    x, w = torch.randn(1000, requires_grad=True), torch.randn(1000)
+    region = functools.partial(lambda a, b: (a * b).sin(), b=w)
+    state = torch.get_rng_state().numel()
+    assert held_for_backward(lambda: checkpoint(region, x * 1, use_reentrant=True)) == {None: 4000 + 4000 + state}
+
+    def dropped():
+        checkpoint(region, x * 1, use_reentrant=True)
+        return (x * 2).sum()
+
+    assert held_for_backward(dropped) == {}
 
 
 def test_activations_held_sets_each_case_on_a_copy():
