@@ -82,11 +82,10 @@ def held_for_backward(forward: Callable[[], object], exclude: tuple[torch.Tensor
     Held: what ops save (``saved_tensors_hooks``) and what non-reentrant checkpoints keep to recompute their regions
     (gradient checkpointing, ``hc_recompute``), counted while ``forward()``'s result is alive: a storage counts while
     it lives, what only a checkpoint keeps (its keyword arguments, random states) while its graph lives. So a dropped
-    part of the graph (a branch that needs no gradient) counts zero for what it saved of tensors freed with it, but
-    not for a tensor that lives on elsewhere, nor for an output it saved of its own (kept alive by the counting's
-    hooks, a reference cycle through autograd). A storage held several times (the streams, kept by every op of an mHC
-    site) counts once, for the ``owner()`` current when it was first held; the storages of ``exclude`` (the
-    parameters, which exist anyway) count zero. Works on real and on fake tensors (``FakeTensorMode``: the bytes a
+    part of the graph (a branch that needs no gradient) counts zero for what it saved, unless a tensor it saved
+    lives on elsewhere (an input the caller still holds). A storage held several times (the streams, kept by every
+    op of an mHC site) counts once, for the ``owner()`` current when it was first held; the storages of ``exclude``
+    (the parameters, which exist anyway) count zero. Works on real and on fake tensors (``FakeTensorMode``: the bytes a
     forward would hold, without memory).
     """
     excluded = {StorageWeakRef(tensor.untyped_storage()).cdata for tensor in exclude}
@@ -105,7 +104,10 @@ def held_for_backward(forward: Callable[[], object], exclude: tuple[torch.Tensor
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         hold(tensor)
-        return tensor
+        # The same storage, without the grad_fn: a saved output returned as is would form a reference cycle
+        # (tensor, its grad_fn, the saved value) that keeps it alive after its graph is dropped. Unpacked, autograd
+        # restores the grad_fn (double backward unchanged).
+        return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), _recording_checkpoints(
             lambda frame, tensor: hold(tensor, frame)):

@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 from conftest import FAMILY_SETTINGS, MOE_FAMILIES, tiny_backbone_config
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, masking_utils
@@ -186,6 +187,22 @@ def test_checkpoints_count_only_what_they_keep():
         return (x * 2).sum()
 
     assert held_for_backward(beside_a_thread) == {} and len(kept) == 1
+
+
+def test_saved_outputs_are_freed_with_their_graph():
+    """``exp`` saves its own output: a branch dropped in the forward holds nothing, and once counted, the forward's
+    graph and what it saved are freed (no reference cycle left by the counting)."""
+    x = torch.randn(1000, requires_grad=True)
+    saved = []
+
+    def forward():
+        branch = x.exp()  # dropped
+        kept = (x * 3).exp()
+        saved.extend(StorageWeakRef(tensor.untyped_storage()) for tensor in (branch, kept))
+        return kept.sum()
+
+    assert held_for_backward(forward) == {None: 4000}
+    assert all(ref.expired() for ref in saved)
 
 
 def test_reentrant_checkpoints_count_their_random_state():
