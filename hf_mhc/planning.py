@@ -49,6 +49,7 @@ import copy
 import fnmatch
 import math
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -68,6 +69,9 @@ from .modeling_mhc import HC_MODULE_NAMES
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 WINDOW_TENSOR_BYTES = 8  # the int64 scalar a DynamicSlidingWindowLayer holds (its `_sliding_window_tensor`)
 SHARDED_TP_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise", "local_colwise", "local_rowwise")
+# Held while _forward_as_in_training's substitutions are in place: plans in two threads take turns, so each
+# restores the originals it found.
+_SUBSTITUTING = threading.RLock()
 # The training setups whose activations a plan counts: (name, mHC model?, hc_recompute, gradient checkpointing).
 ACTIVATION_CASES = (
     ("residual", False, False, False),
@@ -194,15 +198,13 @@ def _layer_index(name: str) -> int | None:
 def _forward_as_in_training() -> Iterator[None]:
     """Runs a transformers forward on fake tensors the way it runs on real ones in training, for the planned workload.
 
-    Three substitutions, for fake tensors only (a real-tensor call, say from another thread, runs the original) and
-    undone on exit: the batch is declared unpacked (transformers would read the fake position ids to find packed
-    sequences, and under fake tensors keeps a materialised mask instead); MoE experts in float32 or float16 take
-    transformers' grouped-mm fallback (torch's grouped-mm checks its inputs are bfloat16 under fake tensors); an SDPA
-    call without a mask whose ``q``/``k`` and ``v`` head dims differ runs CUDA's memory-efficient kernel op (shapes
-    only), as on a GPU.
+    Three substitutions, for fake tensors only (a real-tensor call, say from another thread, runs the original),
+    undone on exit, one thread at a time: the batch is declared unpacked (transformers would read the fake position
+    ids to find packed sequences, and under fake tensors keeps a materialised mask instead); MoE experts in float32
+    or float16 take transformers' grouped-mm fallback (torch's grouped-mm checks its inputs are bfloat16 under fake
+    tensors); an SDPA call without a mask whose ``q``/``k`` and ``v`` head dims differ runs CUDA's memory-efficient
+    kernel op (shapes only), as on a GPU.
     """
-    find_packed, can_use_grouped_mm = masking_utils.find_packed_sequence_indices, moe._can_use_grouped_mm
-    sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def unpacked(position_ids):
         return None if isinstance(position_ids, FakeTensor) else find_packed(position_ids)
@@ -219,14 +221,17 @@ def _forward_as_in_training() -> Iterator[None]:
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, None, True, is_causal=is_causal, scale=scale)[0]
 
-    masking_utils.find_packed_sequence_indices = unpacked
-    moe._can_use_grouped_mm = grouped_mm_takes
-    torch.nn.functional.scaled_dot_product_attention = attention
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices, moe._can_use_grouped_mm = find_packed, can_use_grouped_mm
-        torch.nn.functional.scaled_dot_product_attention = sdpa
+    with _SUBSTITUTING:  # the originals are read, and back, before another thread takes its own
+        find_packed, can_use_grouped_mm = masking_utils.find_packed_sequence_indices, moe._can_use_grouped_mm
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        masking_utils.find_packed_sequence_indices = unpacked
+        moe._can_use_grouped_mm = grouped_mm_takes
+        torch.nn.functional.scaled_dot_product_attention = attention
+        try:
+            yield
+        finally:
+            masking_utils.find_packed_sequence_indices, moe._can_use_grouped_mm = find_packed, can_use_grouped_mm
+            torch.nn.functional.scaled_dot_product_attention = sdpa
 
 
 def activations_held(config: PreTrainedConfig, dtype: torch.dtype, *, batch: int, tokens: int,

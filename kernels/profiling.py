@@ -12,6 +12,10 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
 
+# Held while _recording_checkpoints' classes are in place: counts in two threads take turns, so each restores the
+# originals it found.
+_RECORDING = threading.RLock()
+
 
 def _tensors(value) -> Iterator[torch.Tensor]:
     """The tensors in ``value``: itself, or those in its tuples, lists, dicts and ``functools.partial`` bindings."""
@@ -47,32 +51,33 @@ def _recording_checkpoints(record: Callable[[object, torch.Tensor], None]) -> It
     ``functools.partial`` it runs (transformers' gradient checkpointing passes the layer's keyword arguments so)
     and, with ``preserve_rng_state`` (the default), the copies of the CPU random state (5,056 bytes) and of each
     initialised device generator's. Reentrant (``use_reentrant=True``): the ``partial``'s tensors and the copies of
-    the random states (its tensor arguments it saves through the hooks)."""
-    frame_class, function_class = torch_checkpoint._CheckpointFrame, torch_checkpoint.CheckpointFunction
-    thread = threading.get_ident()
+    the random states (its tensor arguments it saves through the hooks). One thread at a time."""
+    with _RECORDING:  # the originals are read, and back, before another thread takes its own
+        frame_class, function_class = torch_checkpoint._CheckpointFrame, torch_checkpoint.CheckpointFunction
+        thread = threading.get_ident()
 
-    class RecordingFrame(frame_class):
-        def save_inputs(self, *args):
-            super().save_inputs(*args)
-            if threading.get_ident() == thread:
-                for tensor in (*_tensors(args), *_closure_tensors(self.recompute_fn)):
-                    record(self, tensor)
+        class RecordingFrame(frame_class):
+            def save_inputs(self, *args):
+                super().save_inputs(*args)
+                if threading.get_ident() == thread:
+                    for tensor in (*_tensors(args), *_closure_tensors(self.recompute_fn)):
+                        record(self, tensor)
 
-    class RecordingFunction(function_class):
-        @staticmethod
-        def forward(ctx, run_function, preserve_rng_state, *args):
-            outputs = function_class.forward(ctx, run_function, preserve_rng_state, *args)
-            if threading.get_ident() == thread:
-                kept = (run_function, getattr(ctx, "fwd_cpu_state", None), getattr(ctx, "fwd_device_states", None))
-                for tensor in _tensors(kept):
-                    record(ctx, tensor)
-            return outputs
+        class RecordingFunction(function_class):
+            @staticmethod
+            def forward(ctx, run_function, preserve_rng_state, *args):
+                outputs = function_class.forward(ctx, run_function, preserve_rng_state, *args)
+                if threading.get_ident() == thread:
+                    kept = (run_function, getattr(ctx, "fwd_cpu_state", None), getattr(ctx, "fwd_device_states", None))
+                    for tensor in _tensors(kept):
+                        record(ctx, tensor)
+                return outputs
 
-    torch_checkpoint._CheckpointFrame, torch_checkpoint.CheckpointFunction = RecordingFrame, RecordingFunction
-    try:
-        yield
-    finally:
-        torch_checkpoint._CheckpointFrame, torch_checkpoint.CheckpointFunction = frame_class, function_class
+        torch_checkpoint._CheckpointFrame, torch_checkpoint.CheckpointFunction = RecordingFrame, RecordingFunction
+        try:
+            yield
+        finally:
+            torch_checkpoint._CheckpointFrame, torch_checkpoint.CheckpointFunction = frame_class, function_class
 
 
 def held_for_backward(forward: Callable[[], object], exclude: tuple[torch.Tensor, ...] = (),

@@ -264,3 +264,30 @@ def test_the_substitutions_leave_real_tensors_alone(one_thread):
                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
                moe._can_use_grouped_mm(inputs, weight, offsets))
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]) and got[2] == expected[2]
+
+
+def test_plans_in_two_threads_leave_the_globals_as_they_were(monkeypatch):
+    """Thread B plans while thread A's plan runs and ends last: the functions both substitute end as they began."""
+    import hf_mhc.planning as planning
+
+    patched = (masking_utils, "find_packed_sequence_indices"), (moe, "_can_use_grouped_mm"), (
+        torch.nn.functional, "scaled_dot_product_attention"), (torch.utils.checkpoint, "_CheckpointFrame")
+    originals = [getattr(module, name) for module, name in patched]
+    first_done, calls, threads = threading.Event(), [], []
+    count = planning.held_for_backward
+
+    def interleaved(*args, **kwargs):
+        calls.append(threading.current_thread())
+        if len(calls) == 1:  # thread A, inside its plan: B starts its own, and counts only once A's has ended
+            threads.append(threading.Thread(target=lambda: activations_held(backbone("llama"), torch.float32,
+                                                                            batch=1, tokens=4)))
+            threads[0].start()
+        else:
+            first_done.wait(timeout=120)
+        return count(*args, **kwargs)
+
+    monkeypatch.setattr(planning, "held_for_backward", interleaved)
+    activations_held(backbone("llama"), torch.float32, batch=1, tokens=4)
+    first_done.set()
+    threads[0].join(timeout=120)
+    assert len(calls) == 2 and [getattr(module, name) for module, name in patched] == originals
