@@ -45,14 +45,16 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import fnmatch
 import math
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, masking_utils
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.initialization import no_init_weights
@@ -67,6 +69,9 @@ from .modeling_mhc import HC_MODULE_NAMES
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 WINDOW_TENSOR_BYTES = 8  # the int64 scalar a DynamicSlidingWindowLayer holds (its `_sliding_window_tensor`)
 SHARDED_TP_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise", "local_colwise", "local_rowwise")
+# Held while _forward_as_in_training's substitutions are in place: plans in two threads take turns, so each
+# restores the originals it found.
+_SUBSTITUTING = threading.RLock()
 # The training setups whose activations a plan counts: (name, mHC model?, hc_recompute, gradient checkpointing).
 ACTIVATION_CASES = (
     ("residual", False, False, False),
@@ -193,33 +198,40 @@ def _layer_index(name: str) -> int | None:
 def _forward_as_in_training() -> Iterator[None]:
     """Runs a transformers forward on fake tensors the way it runs on real ones in training, for the planned workload.
 
-    Three substitutions, undone on exit: the batch is declared unpacked (transformers would read the fake position
-    ids to find packed sequences, and under fake tensors keeps a materialised mask instead); MoE experts in float32 or
-    float16 take transformers' grouped-mm fallback (torch's grouped-mm checks its inputs are bfloat16 under fake
+    Three substitutions, for fake tensors only (a real-tensor call, say from another thread, runs the original),
+    undone on exit, one thread at a time: the batch is declared unpacked (transformers would read the fake position
+    ids to find packed sequences, and under fake tensors keeps a materialised mask instead); MoE experts in float32
+    or float16 take transformers' grouped-mm fallback (torch's grouped-mm checks its inputs are bfloat16 under fake
     tensors); an SDPA call without a mask whose ``q``/``k`` and ``v`` head dims differ runs CUDA's memory-efficient
     kernel op (shapes only), as on a GPU.
     """
-    find_packed, can_use_grouped_mm = masking_utils.find_packed_sequence_indices, moe._can_use_grouped_mm
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def unpacked(position_ids):
+        return None if isinstance(position_ids, FakeTensor) else find_packed(position_ids)
 
     def grouped_mm_takes(input, weight, offs) -> bool:
-        return weight.dtype == torch.bfloat16 and can_use_grouped_mm(input, weight, offs)
+        fake_not_bf16 = isinstance(weight, FakeTensor) and weight.dtype != torch.bfloat16
+        return not fake_not_bf16 and can_use_grouped_mm(input, weight, offs)
 
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if attn_mask is not None or query.shape[-1] == value.shape[-1] or enable_gqa or dropout_p:
+        if (not isinstance(query, FakeTensor) or attn_mask is not None or query.shape[-1] == value.shape[-1]
+                or enable_gqa or dropout_p):
             return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, enable_gqa=enable_gqa)
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, None, True, is_causal=is_causal, scale=scale)[0]
 
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    moe._can_use_grouped_mm = grouped_mm_takes
-    torch.nn.functional.scaled_dot_product_attention = attention
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices, moe._can_use_grouped_mm = find_packed, can_use_grouped_mm
-        torch.nn.functional.scaled_dot_product_attention = sdpa
+    with _SUBSTITUTING:  # the originals are read, and back, before another thread takes its own
+        find_packed, can_use_grouped_mm = masking_utils.find_packed_sequence_indices, moe._can_use_grouped_mm
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        masking_utils.find_packed_sequence_indices = unpacked
+        moe._can_use_grouped_mm = grouped_mm_takes
+        torch.nn.functional.scaled_dot_product_attention = attention
+        try:
+            yield
+        finally:
+            masking_utils.find_packed_sequence_indices, moe._can_use_grouped_mm = find_packed, can_use_grouped_mm
+            torch.nn.functional.scaled_dot_product_attention = sdpa
 
 
 def activations_held(config: PreTrainedConfig, dtype: torch.dtype, *, batch: int, tokens: int,
@@ -228,9 +240,14 @@ def activations_held(config: PreTrainedConfig, dtype: torch.dtype, *, batch: int
     ``batch × tokens`` tokens, run on fake tensors; one dict per ``(hc_recompute, gradient_checkpointing)`` case, by
     decoder-layer index (``None``: outside the layers).
 
-    ``config``: a backbone config or an :class:`MHCConfig`; weights in ``dtype`` (mHC maps float32). Parameters
-    count zero. See the module docstring for what is counted and how.
+    ``config``: a backbone config or an :class:`MHCConfig` (left unchanged: each case sets ``hc_recompute`` on a
+    copy); weights in ``dtype`` (mHC maps float32). Parameters count zero. See the module docstring for what is
+    counted and how.
     """
+    is_mhc = isinstance(config, MHCConfig)
+    if not is_mhc and any(hc_recompute for hc_recompute, _ in cases):
+        raise ValueError("hc_recompute applies to an mHC model; give an MHCConfig to count it")
+    config = copy.deepcopy(config)  # the model's own, which the cases change
     owner: list[int | None] = [None]
     results = []
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, _forward_as_in_training():
@@ -241,13 +258,12 @@ def activations_held(config: PreTrainedConfig, dtype: torch.dtype, *, batch: int
             layer.register_forward_hook(lambda module, args, output: owner.__setitem__(0, None))
         input_ids = mode.from_tensor(torch.zeros(batch, tokens, dtype=torch.long))
         for hc_recompute, gradient_checkpointing in cases:
-            if hc_recompute:
-                model.config.hc_recompute = True
+            if is_mhc:
+                model.config.hc_recompute = hc_recompute
             if gradient_checkpointing:
                 model.activation_checkpointing_enable()
             results.append(held_for_backward(lambda: model(input_ids, labels=input_ids, use_cache=False).loss,
                                              exclude=tuple(model.parameters()), owner=lambda: owner[0]))
-            model.config.hc_recompute = False
             if gradient_checkpointing:
                 model.activation_checkpointing_disable()
     return results
@@ -361,8 +377,11 @@ def plan_memory(
 
     # Activations
     held, per_token_layer, outside, largest = {}, {}, {}, {}
-    models = [(False, backbone)] + ([] if hc_mult is None else [
-        (True, mhc_config_for(backbone, hc_mult=hc_mult, hc_residual_map=residual_map))])
+    mhc_config = None if hc_mult is None else mhc_config_for(backbone, hc_mult=hc_mult, hc_residual_map=residual_map)
+    if mhc_config is not None:  # the config's attention and experts kernels, as `upcycle` and a loaded model run
+        mhc_config._attn_implementation = config._attn_implementation
+        mhc_config._experts_implementation = getattr(config, "_experts_implementation", None)
+    models = [(False, backbone)] + ([] if mhc_config is None else [(True, mhc_config)])
     for is_mhc, model_config in models:
         cases = [case for case in ACTIVATION_CASES if case[1] == is_mhc]
         counts = activations_held(model_config, torch_dtype, batch=batch, tokens=tokens,

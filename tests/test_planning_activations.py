@@ -4,15 +4,21 @@ dtypes), the counter against torch's profiler, and the checkpointed cases by han
 
 from __future__ import annotations
 
+import functools
 import gc
+import json
+import threading
 
 import pytest
 import torch
 from conftest import FAMILY_SETTINGS, MOE_FAMILIES, tiny_backbone_config
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.profiler import ProfilerActivity, profile
-from transformers import AutoModelForCausalLM
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoConfig, AutoModelForCausalLM, masking_utils
 from transformers.integrations import moe
 
+import hf_mhc
 from hf_mhc.conversion.upcycle import mhc_config_for
 from hf_mhc.kernels.profiling import held_for_backward
 from hf_mhc.planning import ACTIVATION_CASES, _forward_as_in_training, activations_held, plan_memory
@@ -86,6 +92,24 @@ def test_held_bytes_are_what_the_profiler_sees_allocated(family, one_thread):
         del loss  # freed before the next case's profiled forward
 
 
+def test_reentrant_gradient_checkpointing_is_what_the_profiler_sees_allocated(one_thread):
+    """Transformers' gradient checkpointing with ``use_reentrant=True`` (a Trainer option), residual and mHC, as
+    the test above."""
+    input_ids = torch.randint(3, 100, (BATCH, TOKENS))
+    for model_config in (tiny_backbone_config("llama"), mhc_config_for(tiny_backbone_config("llama"), hc_mult=4)):
+        model = AutoModelForCausalLM.from_config(model_config).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        held = sum(held_for_backward(lambda model=model: model(input_ids, labels=input_ids, use_cache=False).loss,
+                                     exclude=tuple(model.parameters())).values())
+        gc.collect()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+            loss = model(input_ids, labels=input_ids, use_cache=False).loss
+        allocated = sum(event.self_cpu_memory_usage for event in profiler.key_averages())
+        expected = allocated + input_ids.numel() * input_ids.element_size() - loss.numel() * loss.element_size()
+        assert abs(held - expected) <= 64, (type(model_config).__name__, held, expected)
+        del loss
+
+
 def test_checkpointed_layers_hold_their_inputs_by_hand():
     """Gradient checkpointing: per layer the hidden states entering it (``n·C`` streams for mHC) and a copy of the
     CPU random state; the rotary ``cos`` and ``sin`` ``[1, T, head_dim]`` in the model's dtype and the position ids
@@ -130,3 +154,140 @@ def test_the_plan_reports_every_case():
     assert MOE_FAMILIES  # qwen3_moe: its dense layer 0 and its MoE layer 1 differ
     assert plan.activation_largest_layer_bytes["residual"] * 2 > plan.activation_bytes["residual"] - (
         plan.activation_bytes_outside_layers["residual"])
+
+
+def test_checkpoints_count_only_what_they_keep():
+    """By hand on real tensors: a checkpoint keeps its input, its keyword tensor and a copy of the CPU random state;
+    under ``no_grad`` nothing; dropped, nothing (its keyword tensor lives on, not held by it); another thread's
+    checkpoint is not this forward's."""
+    x, w = torch.randn(1000, requires_grad=True), torch.randn(1000)
+
+    def region(a, *, b):
+        return (a * b).sin()
+
+    def checkpointed():
+        return checkpoint(region, x * 1, b=w, use_reentrant=False)
+
+    state = torch.get_rng_state().numel()
+    assert held_for_backward(checkpointed) == {None: 4000 + 4000 + state}
+    with torch.no_grad():
+        assert held_for_backward(checkpointed) == {}
+
+    def dropped():
+        checkpointed()
+        return (x * 2).sum()  # saves nothing
+
+    assert held_for_backward(dropped) == {}
+    kept = []
+
+    def beside_a_thread():
+        thread = threading.Thread(target=lambda: kept.append(checkpointed()))
+        thread.start()
+        thread.join()
+        return (x * 2).sum()
+
+    assert held_for_backward(beside_a_thread) == {} and len(kept) == 1
+
+
+def test_saved_outputs_are_freed_with_their_graph():
+    """``exp`` saves its own output: a branch dropped in the forward holds nothing, and once counted, the forward's
+    graph and what it saved are freed (no reference cycle left by the counting)."""
+    x = torch.randn(1000, requires_grad=True)
+    saved = []
+
+    def forward():
+        branch = x.exp()  # dropped
+        kept = (x * 3).exp()
+        saved.extend(StorageWeakRef(tensor.untyped_storage()) for tensor in (branch, kept))
+        return kept.sum()
+
+    assert held_for_backward(forward) == {None: 4000}
+    assert all(ref.expired() for ref in saved)
+
+
+def test_reentrant_checkpoints_count_their_random_state():
+    """``use_reentrant=True``: the input it saves, the tensor a ``functools.partial`` binds and the CPU random state
+    kept on its autograd node; nothing once dropped."""
+    x, w = torch.randn(1000, requires_grad=True), torch.randn(1000)
+    region = functools.partial(lambda a, b: (a * b).sin(), b=w)
+    state = torch.get_rng_state().numel()
+    assert held_for_backward(lambda: checkpoint(region, x * 1, use_reentrant=True)) == {None: 4000 + 4000 + state}
+
+    def dropped():
+        checkpoint(region, x * 1, use_reentrant=True)
+        return (x * 2).sum()
+
+    assert held_for_backward(dropped) == {}
+
+
+def test_activations_held_sets_each_case_on_a_copy():
+    """An MHCConfig saved with ``hc_recompute=True`` counts the plain case plainly, and neither config changes."""
+    backbone_config = tiny_backbone_config("llama")
+    recomputing = mhc_config_for(backbone_config, hc_mult=2, hc_recompute=True)
+    plain, recomputed = activations_held(recomputing, torch.float32, batch=BATCH, tokens=TOKENS,
+                                         cases=((False, False), (True, False)))
+    reference = mhc_config_for(backbone_config, hc_mult=2)
+    assert [plain, recomputed] == activations_held(reference, torch.float32, batch=BATCH, tokens=TOKENS,
+                                                   cases=((False, False), (True, False)))
+    assert plain != recomputed and recomputing.hc_recompute is True and reference.hc_recompute is False
+    activations_held(backbone_config, torch.float32, batch=BATCH, tokens=TOKENS)
+    assert "hc_recompute" not in backbone_config.to_dict()
+
+
+def test_the_mhc_plan_runs_the_configs_attention(tmp_path, one_thread):
+    """A config.json saved with ``attn_implementation: eager`` (the ``T × T`` probabilities held): the mHC cases
+    run it too, as ``hf_mhc.upcycle`` of that model does (counted on its real tensors)."""
+    folder = tmp_path / "eager"
+    tiny_backbone_config("llama").save_pretrained(folder)
+    saved = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**saved, "attn_implementation": "eager"}))
+    plan = plan_memory(folder, tokens=TOKENS, batch=BATCH, dtype="float32", hc_mult=2)
+    torch.manual_seed(0)
+    upcycled = hf_mhc.upcycle(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).train(), hc_mult=2)
+    assert upcycled.config._attn_implementation == "eager"
+    for (name, *_), real in zip(ACTIVATION_CASES[2:], real_held(upcycled, CASES), strict=True):
+        assert plan.activation_bytes[name] == sum(real.values()), name
+
+
+def test_the_substitutions_leave_real_tensors_alone(one_thread):
+    """While a plan runs, a real-tensor call (another thread's training step) gets the originals' results."""
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    q, k = torch.randn(2, 1, 2, 6, 8, dtype=torch.float64).unbind()
+    v = torch.randn(1, 2, 6, 4, dtype=torch.float64)
+    weight = torch.randn(4, 8, 8)
+    inputs, offsets = torch.randn(6, 8), torch.tensor([2, 4, 6, 6], dtype=torch.int32)
+    expected = (masking_utils.find_packed_sequence_indices(position_ids),
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                moe._can_use_grouped_mm(inputs, weight, offsets))
+    with _forward_as_in_training():
+        got = (masking_utils.find_packed_sequence_indices(position_ids),
+               torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+               moe._can_use_grouped_mm(inputs, weight, offsets))
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]) and got[2] == expected[2]
+
+
+def test_plans_in_two_threads_leave_the_globals_as_they_were(monkeypatch):
+    """Thread B plans while thread A's plan runs and ends last: the functions both substitute end as they began."""
+    import hf_mhc.planning as planning
+
+    patched = (masking_utils, "find_packed_sequence_indices"), (moe, "_can_use_grouped_mm"), (
+        torch.nn.functional, "scaled_dot_product_attention"), (torch.utils.checkpoint, "_CheckpointFrame")
+    originals = [getattr(module, name) for module, name in patched]
+    first_done, calls, threads = threading.Event(), [], []
+    count = planning.held_for_backward
+
+    def interleaved(*args, **kwargs):
+        calls.append(threading.current_thread())
+        if len(calls) == 1:  # thread A, inside its plan: B starts its own, and counts only once A's has ended
+            threads.append(threading.Thread(target=lambda: activations_held(backbone("llama"), torch.float32,
+                                                                            batch=1, tokens=4)))
+            threads[0].start()
+        else:
+            first_done.wait(timeout=120)
+        return count(*args, **kwargs)
+
+    monkeypatch.setattr(planning, "held_for_backward", interleaved)
+    activations_held(backbone("llama"), torch.float32, batch=1, tokens=4)
+    first_done.set()
+    threads[0].join(timeout=120)
+    assert len(calls) == 2 and [getattr(module, name) for module, name in patched] == originals
