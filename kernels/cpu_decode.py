@@ -8,8 +8,9 @@ each one call with ``at::parallel_for`` over the tokens, the numbers of ``hf_mhc
 
 Under ``torch.compile`` (``generate`` with a static cache and a compile config) the same kernels run as the custom
 ops ``hf_mhc::cpu_decode_coeffs_pre`` / ``_post_res`` / ``_head`` (shapes for tracing, the C++ call at run time),
-so a compiled decode step calls them as eager decoding does; in eager mode they are called directly (the
-dispatcher's few microseconds per call saved).
+so a compiled decode step calls them as eager decoding does; these read the switch and the build when they run (a
+graph traced once serves every model and both settings), running the eager torch kernels when off. In eager mode
+the kernels are called directly (the dispatcher's few microseconds per call saved).
 
 The source is JIT-built once with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, the ``ninja`` package of
 the dependencies) into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), under a name that hashes the
@@ -31,7 +32,9 @@ from types import ModuleType
 
 import torch
 
+from .coeffs_pre_op import coeffs_pre_forward
 from .common import MAP_CODES
+from .post_res_op import post_res_forward
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 MAX_TOKENS = 64  # tokens (all leading dims) up to which the fast path runs; measured crossover in the README
@@ -100,24 +103,24 @@ def kernels() -> ModuleType | None:
         return None
 
 
-@torch.compiler.assume_constant_result
 def available() -> bool:
-    """Whether the fast path is switched on and its kernels built (under ``torch.compile``: decided when tracing)."""
+    """Whether the fast path is switched on and its kernels built."""
     return enabled() and kernels() is not None
 
 
 def applies(streams: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """Whether a call on ``streams [..., n, C]`` (and the op's other ``tensors``) takes the fast path: CPU float32 /
     bfloat16 / float16 tensors with at most ``MAX_TOKENS`` tokens, no gradient wanted (grad mode off, or no input
-    requires grad), plain tensors (no ``DTensor``; under ``torch.compile`` the traced tensors stand for them), the
-    switch on and the kernels built."""
+    requires grad), plain tensors (no ``DTensor``), the switch on and the kernels built. Under ``torch.compile`` the
+    traced tensors stand for plain ones, and the custom ops read the switch and the build when they run."""
+    compiling = torch.compiler.is_compiling()
     return (
         streams.device.type == "cpu"
         and streams.dtype in FAST_DTYPES
         and 0 < math.prod(streams.shape[:-2]) <= MAX_TOKENS
-        and (torch.compiler.is_compiling() or all(type(t) in PLAIN_TENSORS for t in (streams, *tensors)))
+        and (compiling or all(type(t) in PLAIN_TENSORS for t in (streams, *tensors)))
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in (streams, *tensors)))
-        and available()
+        and (compiling or available())
     )
 
 
@@ -129,7 +132,12 @@ def _lead(streams: torch.Tensor, *last: int) -> list[int]:
 def _coeffs_pre_op(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
                    eps: float, norm_eps: float, map_code: int, post_magnitude: float,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return tuple(kernels().coeffs_pre(streams, fn, base, scale, iters, eps, norm_eps, map_code, post_magnitude))
+    if available():
+        return tuple(kernels().coeffs_pre(streams, fn, base, scale, iters, eps, norm_eps, map_code, post_magnitude))
+    residual_map = next(name for name, code in MAP_CODES.items() if code == map_code)
+    y, post, comb, *_ = coeffs_pre_forward(streams, fn, base, scale, iters, eps, norm_eps, "torch", False, residual_map,
+                                           post_magnitude)
+    return y, post, comb
 
 
 @_coeffs_pre_op.register_fake
@@ -143,7 +151,9 @@ def _(streams, fn, base, scale, iters, eps, norm_eps, map_code, post_magnitude):
 @torch.library.custom_op("hf_mhc::cpu_decode_post_res", mutates_args=())
 def _post_res_op(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                  identity: bool) -> torch.Tensor:
-    return kernels().post_res(streams, y, post, comb, identity)
+    if available():
+        return kernels().post_res(streams, y, post, comb, identity)
+    return post_res_forward(streams, y, post, comb, "torch", identity)
 
 
 @_post_res_op.register_fake
@@ -154,7 +164,9 @@ def _(streams, y, post, comb, identity):
 @torch.library.custom_op("hf_mhc::cpu_decode_head", mutates_args=())
 def _head_op(streams: torch.Tensor, hc_fn: torch.Tensor, hc_base: torch.Tensor, hc_scale: torch.Tensor, eps: float,
              norm_eps: float) -> torch.Tensor:
-    return kernels().head(streams, hc_fn, hc_base, hc_scale, eps, norm_eps)
+    if available():
+        return kernels().head(streams, hc_fn, hc_base, hc_scale, eps, norm_eps)
+    return coeffs_pre_forward(streams, hc_fn, hc_base, hc_scale, 1, eps, norm_eps, "torch", True)[0]
 
 
 @_head_op.register_fake

@@ -190,10 +190,10 @@ def test_dispatch_takes_the_fast_path_only_without_grad(counted, monkeypatch):
 
 
 @pytest.mark.parametrize("residual_map", ["sinkhorn", "identity"])
-def test_compiled_decode_calls_the_kernels_through_their_custom_ops(counted, residual_map):
+def test_compiled_decode_calls_the_kernels_through_their_custom_ops(counted, monkeypatch, residual_map):
     """Under ``torch.compile(fullgraph=True)`` a no-grad site traces to the ``hf_mhc::cpu_decode_*`` ops, whose run
-    calls the C++ kernels (counted), with the eager fast path's numbers exactly; with grad it traces the training
-    ops instead."""
+    calls the C++ kernels (counted), with the eager fast path's numbers exactly; the same graph honours the switch
+    turned off afterwards (the eager kernels' numbers); with grad it traces the training ops instead."""
     n = 4
     streams = torch.randn(2, 1, n, HIDDEN)
     fn, base, scale = site_params(n, residual_map)
@@ -215,6 +215,13 @@ def test_compiled_decode_calls_the_kernels_through_their_custom_ops(counted, res
     assert counted == {"coeffs_pre": 3, "post_res": 3, "head": 3}
     for out, ref in zip(outputs, expected, strict=True):
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    with torch.no_grad():
+        switched_off, eager = compiled(streams), site(streams)
+    assert counted == {"coeffs_pre": 3, "post_res": 3, "head": 3}
+    for out, ref in zip(switched_off, eager, strict=True):
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    monkeypatch.delenv(cpu_decode.ENV_SWITCH)
     fn.requires_grad_(True)
     torch._dynamo.reset()
     new, _ = torch.compile(site, fullgraph=True, backend="aot_eager")(streams)
