@@ -244,28 +244,38 @@ def activations_held(config: PreTrainedConfig, dtype: torch.dtype, *, batch: int
     copy); weights in ``dtype`` (mHC maps float32). Parameters count zero. See the module docstring for what is
     counted and how.
     """
-    is_mhc = isinstance(config, MHCConfig)
-    if not is_mhc and any(hc_recompute for hc_recompute, _ in cases):
-        raise ValueError("hc_recompute applies to an mHC model; give an MHCConfig to count it")
     config = copy.deepcopy(config)  # the model's own, which the cases change
-    owner: list[int | None] = [None]
-    results = []
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, _forward_as_in_training():
         with no_init_weights():  # the values are never read, and some initialisations check them
             model = AutoModelForCausalLM.from_config(config, dtype=dtype).train()
-        for index, layer in enumerate(model.model.layers):
-            layer.register_forward_pre_hook(lambda module, args, index=index: owner.__setitem__(0, index))
-            layer.register_forward_hook(lambda module, args, output: owner.__setitem__(0, None))
-        input_ids = mode.from_tensor(torch.zeros(batch, tokens, dtype=torch.long))
-        for hc_recompute, gradient_checkpointing in cases:
-            if is_mhc:
-                model.config.hc_recompute = hc_recompute
-            if gradient_checkpointing:
-                model.activation_checkpointing_enable()
-            results.append(held_for_backward(lambda: model(input_ids, labels=input_ids, use_cache=False).loss,
-                                             exclude=tuple(model.parameters()), owner=lambda: owner[0]))
-            if gradient_checkpointing:
-                model.activation_checkpointing_disable()
+        return held_by_case(model, mode.from_tensor(torch.zeros(batch, tokens, dtype=torch.long)), cases)
+
+
+def held_by_case(model: torch.nn.Module, input_ids: torch.Tensor,
+                 cases: tuple[tuple[bool, bool], ...]) -> list[dict[int | None, int]]:
+    """For each ``(hc_recompute, gradient_checkpointing)`` case, the bytes autograd holds for backward after a
+    training forward of causal LM ``model`` (in train mode) on ``input_ids``, by decoder-layer index (``None``:
+    outside the layers): what :func:`activations_held` counts on fake tensors, on any tensors."""
+    is_mhc = isinstance(model.config, MHCConfig)
+    if not is_mhc and any(hc_recompute for hc_recompute, _ in cases):
+        raise ValueError("hc_recompute applies to an mHC model; give an MHCConfig to count it")
+    owner: list[int | None] = [None]
+    hooks = []
+    for index, layer in enumerate(model.model.layers):
+        hooks.append(layer.register_forward_pre_hook(lambda module, args, index=index: owner.__setitem__(0, index)))
+        hooks.append(layer.register_forward_hook(lambda module, args, output: owner.__setitem__(0, None)))
+    results = []
+    for hc_recompute, gradient_checkpointing in cases:
+        if is_mhc:
+            model.config.hc_recompute = hc_recompute
+        if gradient_checkpointing:
+            model.activation_checkpointing_enable()
+        results.append(held_for_backward(lambda: model(input_ids, labels=input_ids, use_cache=False).loss,
+                                         exclude=tuple(model.parameters()), owner=lambda: owner[0]))
+        if gradient_checkpointing:
+            model.activation_checkpointing_disable()
+    for hook in hooks:
+        hook.remove()
     return results
 
 

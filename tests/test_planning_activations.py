@@ -21,7 +21,7 @@ from transformers.integrations import moe
 import hf_mhc
 from hf_mhc.conversion.upcycle import mhc_config_for
 from hf_mhc.kernels.profiling import held_for_backward
-from hf_mhc.planning import ACTIVATION_CASES, _forward_as_in_training, activations_held, plan_memory
+from hf_mhc.planning import ACTIVATION_CASES, _forward_as_in_training, activations_held, held_by_case, plan_memory
 
 BATCH, TOKENS = 2, 24  # more tokens than Mistral's and Gemma 3's sliding windows
 CASES = [(False, False), (True, False), (False, True)]  # (hc_recompute, gradient checkpointing)
@@ -34,22 +34,8 @@ def backbone(family: str):
 
 
 def real_held(model, cases) -> list[dict]:
-    """What :func:`activations_held` counts, on ``model``'s real tensors, with the same attribution to layers."""
-    owner = [None]
-    for index, layer in enumerate(model.model.layers):
-        layer.register_forward_pre_hook(lambda module, args, index=index: owner.__setitem__(0, index))
-        layer.register_forward_hook(lambda module, args, output: owner.__setitem__(0, None))
-    input_ids = torch.randint(3, 100, (BATCH, TOKENS))
-    results = []
-    for hc_recompute, checkpointing in cases:
-        model.config.hc_recompute = hc_recompute
-        if checkpointing:
-            model.activation_checkpointing_enable()
-        results.append(held_for_backward(lambda: model(input_ids, labels=input_ids, use_cache=False).loss,
-                                         exclude=tuple(model.parameters()), owner=lambda: owner[0]))
-        if checkpointing:
-            model.activation_checkpointing_disable()
-    return results
+    """What :func:`activations_held` counts, on ``model``'s real tensors (the same cases and attribution)."""
+    return held_by_case(model, torch.randint(3, 100, (BATCH, TOKENS)), tuple(cases))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
