@@ -30,14 +30,15 @@
   model and its mHC upcycle, plain, with ``hc_recompute`` and with gradient checkpointing, by running the model's own
   transformers forward on fake tensors (``FakeTensorMode``: shapes and dtypes, no memory, no weights) and counting
   what its ops save (``saved_tensors_hooks``) and what its checkpoints keep (their inputs and a 5,056-byte copy of
-  the CPU random state each): exactly what the same forward holds on real CPU tensors (tested per family against
-  torch's profiler). Per token per layer: the storages first held inside the decoder layers, over ``batch · tokens
-  · layers``; the rest (embeddings, final norm, logits, loss) is reported apart. Kernels counted: torch's, as on
-  CPU (SDPA's fused kernel: ``q, k, v``, output, log-sum-exp), except that an attention whose ``q``/``k`` and ``v``
-  head dims differ (MLA) is counted as CUDA's memory-efficient SDPA kernel, which keeps the same set, where the CPU
-  would keep the ``T × T`` probabilities; float32 / float16 MoE experts as transformers' grouped-mm fallback
-  (torch's grouped-mm kernel takes bfloat16). Gradient checkpointing holds each layer's inputs; its backward
-  recomputes one layer at a time, adding up to the largest layer's bytes of the case without it.
+  the CPU random state each): exactly what the same forward holds on real CPU tensors (tested for every family, and
+  the count against torch's profiler). Per token per layer: the storages first held inside the decoder layers, over
+  ``batch · tokens · layers``; the rest (embeddings, final norm, logits, loss) is reported apart. Kernels counted:
+  the config's attention implementation (default SDPA) with torch's kernels, as on CPU (SDPA's fused kernel: ``q,
+  k, v``, output, log-sum-exp; ``eager``: the ``T × T`` probabilities), except that an SDPA attention whose
+  ``q``/``k`` and ``v`` head dims differ (MLA) is counted as CUDA's memory-efficient kernel, which keeps the same
+  set, where the CPU would keep the ``T × T`` probabilities; float32 / float16 MoE experts as transformers'
+  grouped-mm fallback (torch's grouped-mm kernel takes bfloat16). Gradient checkpointing holds each layer's inputs;
+  its backward recomputes one layer at a time, adding up to the largest layer's bytes of the case without it.
 * **Pipeline boundary**: the ``n·C`` streams (``C`` for a residual model) of every token of a microbatch, in
   ``dtype``, cross each stage boundary forward (and their gradient backward).
 """
