@@ -1,4 +1,4 @@
-"""Measuring memory as the benchmarks and tests report it: bytes saved for backward, bytes a KV cache holds."""
+"""Measuring memory as the benchmarks and tests report it: bytes held for backward, bytes a KV cache holds."""
 
 from __future__ import annotations
 
