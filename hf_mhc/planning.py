@@ -158,14 +158,10 @@ def _cached_tokens(layer_type: str, kwargs: dict, tokens: int) -> tuple[int, int
     raise ValueError(f"cannot plan a KV cache for layer type {layer_type!r}")
 
 
-def _meta_model(backbone: PreTrainedConfig, hc_mult: int | None, residual_map: str) -> torch.nn.Module:
-    if hc_mult is None:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(backbone)
-    from .modeling_mhc import MHCForCausalLM
-
+def _meta_model(config: PreTrainedConfig) -> torch.nn.Module:
+    """The causal LM of ``config`` (a backbone config or an :class:`MHCConfig`) on the ``meta`` device."""
     with torch.device("meta"):
-        return MHCForCausalLM(mhc_config_for(backbone, hc_mult=hc_mult, hc_residual_map=residual_map))
+        return AutoModelForCausalLM.from_config(config)
 
 
 def _is_hc(name: str) -> bool:
@@ -317,8 +313,12 @@ def plan_memory(
         backbone = config
     check_backbone_type(backbone.model_type, backbone)
     residual_map = residual_map or "sinkhorn"
-    if hc_mult is not None:  # validates hc_mult and the map (permutations: hc_mult <= 4)
-        MHCConfig(backbone_config=backbone.to_dict(), hc_mult=hc_mult, hc_residual_map=residual_map)
+    # The planned mHC model (validates hc_mult and the map: permutations needs hc_mult <= 4), with the config's
+    # attention and experts kernels, as `upcycle` and a loaded model run them.
+    mhc_config = None if hc_mult is None else mhc_config_for(backbone, hc_mult=hc_mult, hc_residual_map=residual_map)
+    if mhc_config is not None:
+        mhc_config._attn_implementation = config._attn_implementation
+        mhc_config._experts_implementation = getattr(config, "_experts_implementation", None)
     layers = backbone.num_hidden_layers
     if pp > layers:
         raise ValueError(f"pp {pp} exceeds the {layers} layers")
@@ -341,7 +341,7 @@ def plan_memory(
     )
 
     # Parameters
-    model = _meta_model(backbone, hc_mult, residual_map)
+    model = _meta_model(backbone if mhc_config is None else mhc_config)
     tp_plan = getattr(backbone, "base_model_tp_plan", None) or {}
     stage_of_layer = []
     for stage in range(pp):
@@ -388,10 +388,6 @@ def plan_memory(
 
     # Activations
     held, per_token_layer, outside, largest = {}, {}, {}, {}
-    mhc_config = None if hc_mult is None else mhc_config_for(backbone, hc_mult=hc_mult, hc_residual_map=residual_map)
-    if mhc_config is not None:  # the config's attention and experts kernels, as `upcycle` and a loaded model run
-        mhc_config._attn_implementation = config._attn_implementation
-        mhc_config._experts_implementation = getattr(config, "_experts_implementation", None)
     models = [(False, backbone)] + ([] if mhc_config is None else [(True, mhc_config)])
     for is_mhc, model_config in models:
         cases = [case for case in ACTIVATION_CASES if case[1] == is_mhc]
