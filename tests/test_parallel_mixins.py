@@ -18,7 +18,7 @@ from test_transformers_common import MHCModelTester
 from transformers import Qwen3MoeConfig
 from transformers_suite import import_parallel_mixins
 
-from hf_mhc import MHCConfig, MHCForCausalLM, MHCForSequenceClassification, MHCModel
+from hf_mhc import MHCForCausalLM, MHCForSequenceClassification, MHCModel
 
 tensor_parallel_mixin, fsdp_mixin, expert_parallel_mixin = import_parallel_mixins()
 SUITE_RANKS = 2
@@ -32,25 +32,9 @@ ALLOWLISTS = (
 class MHCMoeModelTester(MHCModelTester):
     """Tiny mHC models on a Qwen3-MoE backbone: 4 experts, 2 per token, in both layers."""
 
-    def get_config(self) -> MHCConfig:
-        backbone = Qwen3MoeConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.hidden_size // self.num_attention_heads,
-            intermediate_size=self.intermediate_size,
-            moe_intermediate_size=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            max_position_embeddings=self.max_position_embeddings,
-            pad_token_id=self.pad_token_id,
-            bos_token_id=self.bos_token_id,
-            eos_token_id=self.eos_token_id,
-        )
-        return MHCConfig(backbone_config=backbone, hc_mult=self.hc_mult, hc_sinkhorn_iters=5, hc_init="deepseek_v4",
-                         num_labels=self.num_labels, pad_token_id=self.pad_token_id)
+    def backbone_config(self) -> Qwen3MoeConfig:
+        return Qwen3MoeConfig(**self.backbone_kwargs(), head_dim=self.hidden_size // self.num_attention_heads,
+                              moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
 
 
 class MHCSuiteSettings:

@@ -51,8 +51,9 @@ class MHCModelTester:
     def all_model_classes(self):
         return (self.base_model_class, self.causal_lm_class, self.sequence_classification_class)
 
-    def get_config(self) -> MHCConfig:
-        backbone = LlamaConfig(
+    def backbone_kwargs(self) -> dict:
+        """The tiny backbone's shape and special tokens, whatever its family."""
+        return dict(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             num_hidden_layers=self.num_hidden_layers,
@@ -64,9 +65,14 @@ class MHCModelTester:
             bos_token_id=self.bos_token_id,
             eos_token_id=self.eos_token_id,
         )
+
+    def backbone_config(self):
+        return LlamaConfig(**self.backbone_kwargs())
+
+    def get_config(self) -> MHCConfig:
         # DeepSeek-V4's random initialisation: the maps are token-dependent, so the checks see real mixing.
-        return MHCConfig(backbone_config=backbone, hc_mult=self.hc_mult, hc_sinkhorn_iters=5, hc_init="deepseek_v4",
-                         num_labels=self.num_labels, pad_token_id=self.pad_token_id)
+        return MHCConfig(backbone_config=self.backbone_config(), hc_mult=self.hc_mult, hc_sinkhorn_iters=5,
+                         hc_init="deepseek_v4", num_labels=self.num_labels, pad_token_id=self.pad_token_id)
 
     def prepare_config_and_inputs_for_common(self):
         input_ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
