@@ -18,6 +18,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
+from hf_mhc.conversion.verify import logit_tolerance  # noqa: E402
+
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 STORIES260K = ASSETS / "stories260K"
 JANEAUSTEN = ASSETS / "janeausten"
@@ -109,3 +111,42 @@ def loss_gradients(model, input_ids) -> dict:
     model.zero_grad()
     model(input_ids, labels=input_ids).loss.backward()
     return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+
+def assert_logits_close(got: torch.Tensor, expected: torch.Tensor, rtol: float | None = None) -> None:
+    """``max|Δ| <= rtol · max(1, max|expected|)``, by default the converter's float32 rule (``logit_tolerance``):
+    float32 rounding grows with the logits' size. For two computations of the same function that may round
+    differently: other code, or the same code on weights in other memory (a reloaded model's weights are read from
+    the checkpoint file, at other addresses and alignments, which BLAS kernels may block differently on another CPU).
+    """
+    scale = expected.abs().max().item()
+    bound = logit_tolerance(torch.float32, scale) if rtol is None else rtol * max(1.0, scale)
+    difference = (got - expected).abs().max().item()
+    assert difference <= bound, f"max |Δ| = {difference:.3g} > {bound:.3g} (logit scale {scale:.3g})"
+
+
+def assert_same_weights(got: torch.nn.Module, expected: torch.nn.Module) -> None:
+    """Every state-dict tensor of ``got`` bit-equal to ``expected``'s, same names, shapes and dtypes: what a reload
+    must restore exactly (its logits then differ by rounding alone, see ``assert_logits_close``)."""
+    got_state, expected_state = got.state_dict(), expected.state_dict()
+    assert set(got_state) == set(expected_state), set(got_state) ^ set(expected_state)
+    for name, tensor in expected_state.items():
+        assert got_state[name].dtype == tensor.dtype and torch.equal(got_state[name], tensor), name
+
+
+def assert_same_greedy_decoding(got, expected) -> None:
+    """Two greedy ``generate(..., output_logits=True, return_dict_in_generate=True)`` runs of one model by different
+    code: at every step the logits agree (``assert_logits_close``) and so do the chosen tokens, up to the first step at
+    which ``expected``'s two best logits are within that tolerance of each other (a tie that rounding may break either
+    way; the runs may part there, so nothing after it is compared)."""
+    new = len(expected.logits)
+    assert got.sequences.shape == expected.sequences.shape
+    torch.testing.assert_close(got.sequences[:, :-new], expected.sequences[:, :-new], rtol=0, atol=0)  # the prompt
+    for step, (got_logits, expected_logits) in enumerate(zip(got.logits, expected.logits, strict=True)):
+        assert_logits_close(got_logits, expected_logits)
+        top2 = expected_logits.float().topk(2, dim=-1).values
+        tie = (top2[:, 0] - top2[:, 1] <= logit_tolerance(torch.float32, expected_logits.abs().max().item())).any()
+        if tie:
+            return
+        chosen = got.sequences[:, step - new], expected.sequences[:, step - new]
+        assert torch.equal(*chosen), f"greedy step {step}: tokens {chosen[0].tolist()} != {chosen[1].tolist()}"

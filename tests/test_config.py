@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_backbone_config
+from conftest import assert_logits_close, assert_same_weights, tiny_backbone_config
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
 from hf_mhc import MHCConfig
@@ -202,5 +202,6 @@ def test_tying_set_on_the_mhc_config_is_the_backbones_and_survives_a_reload(how,
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
     ids = torch.randint(0, 50, (1, 6))
+    assert_same_weights(reloaded, model)
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+        assert_logits_close(reloaded(ids).logits, model(ids).logits)

@@ -217,6 +217,7 @@ def test_a_bf16_boundary_halves_the_bytes_and_keeps_the_logits_to_bf16_rounding(
     assert torch.equal(streams_bf16, streams.to(torch.bfloat16))
     assert logits.dtype == torch.float32
     assert (logits - expected).abs().max() <= 2 * 2.0**-8 * expected.abs().max()
+    # Bit-exact: each rounded stage runs the exact stage's code on the same float32 input, then rounds its output.
     with torch.no_grad():  # the receiving stages compute in float32 on the rounded streams
         middle = rounded[1](streams_bf16)
         assert torch.equal(middle, exact[1](streams_bf16.float()).to(torch.bfloat16))

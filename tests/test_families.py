@@ -10,7 +10,15 @@ import textwrap
 
 import pytest
 import torch
-from conftest import DENSE_FAMILIES, MOE_FAMILIES, VOCAB, loss_gradients, tiny_backbone_config
+from conftest import (
+    DENSE_FAMILIES,
+    MOE_FAMILIES,
+    VOCAB,
+    assert_logits_close,
+    assert_same_weights,
+    loss_gradients,
+    tiny_backbone_config,
+)
 from peft import get_peft_model
 from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
@@ -53,13 +61,6 @@ def randomise_hc(model: MHCForCausalLM) -> MHCForCausalLM:
             if any(f".{module}." in f".{name}" for module in HC_MODULE_NAMES):
                 param.add_(0.3 * torch.randn_like(param))
     return model
-
-
-def assert_logits_close(got: torch.Tensor, expected: torch.Tensor, tolerance: float = 1e-4) -> None:
-    """``max|Δ| <= tolerance · max(1, max|expected|)``: float32 rounding grows with the logits' size."""
-    bound = tolerance * max(1.0, expected.abs().max().item())
-    difference = (got - expected).abs().max().item()
-    assert difference <= bound, f"max |Δ| = {difference:.3g} > {bound:.3g}"
 
 
 def token_ids(batch: int = 2, length: int = 10) -> torch.Tensor:
@@ -165,10 +166,10 @@ def test_save_and_from_pretrained_give_the_same_logits(family, tmp_path):
     mhc.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(reloaded) is MHCForCausalLM
-    assert set(reloaded.state_dict()) == set(mhc.state_dict())
+    assert_same_weights(reloaded, mhc)
     ids = token_ids()
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids).logits, mhc(ids).logits, atol=0, rtol=0)
+        assert_logits_close(reloaded(ids).logits, mhc(ids).logits)
 
 
 LOAD_ALL_WITHOUT_PLUGIN = textwrap.dedent(
@@ -212,7 +213,7 @@ def remote_code_logits(tmp_path_factory):
 def test_trust_remote_code_load_without_the_plugin(family, remote_code_logits):
     remote, local = remote_code_logits[family]
     # The plugin runs its own kernels, the remote copy the plain reference formula: equal up to float32 rounding.
-    assert_logits_close(remote, local, tolerance=1e-5)
+    assert_logits_close(remote, local, rtol=1e-5)
 
 
 # MoE sources are saved in the published one-tensor-per-expert layout, which hf-mhc convert does not yet fuse (below).
@@ -250,9 +251,10 @@ def test_moe_experts_save_and_load_in_the_published_layout(family, tmp_path):
     assert {name for name in saved if not is_hc_parameter(name)} == saved_tensor_names(tmp_path / "src")
     assert any(".experts.0." in name for name in saved)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mhc").eval()
+    assert_same_weights(reloaded, mhc)
     ids = token_ids()
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids).logits, mhc(ids).logits, atol=0, rtol=0)
+        assert_logits_close(reloaded(ids).logits, mhc(ids).logits)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -265,9 +267,10 @@ def test_moe_checkpoints_saved_with_fused_experts_still_load(family, tmp_path, m
         mhc.save_pretrained(tmp_path)
     assert any(name.endswith("experts.gate_up_proj") for name in saved_tensor_names(tmp_path))
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert_same_weights(reloaded, mhc)
     ids = token_ids()
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids).logits, mhc(ids).logits, atol=0, rtol=0)
+        assert_logits_close(reloaded(ids).logits, mhc(ids).logits)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -335,6 +338,7 @@ def test_pipeline_stages_compute_the_model(family):
         hidden = ids
         for stage in split_pipeline(mhc, num_stages=2):
             hidden = stage(hidden)
+    # Bit-exact: the stages run the model's own code on the model's own parameters (the same tensors).
     torch.testing.assert_close(hidden, expected, atol=0, rtol=0)
 
 

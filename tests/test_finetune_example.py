@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import JANEAUSTEN, STORIES260K, import_script, tiny_backbone_config
+from conftest import (
+    JANEAUSTEN,
+    STORIES260K,
+    assert_logits_close,
+    assert_same_weights,
+    import_script,
+    tiny_backbone_config,
+)
 from peft import AutoPeftModelForCausalLM
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -260,8 +267,9 @@ def test_a_non_empty_output_dir_needs_overwrite_which_replaces_only_the_earlier_
     assert not getattr(trained, "_hf_peft_config_loaded", False)
     last_checkpoint = AutoModelForCausalLM.from_pretrained(out / "checkpoint-2").eval()
     ids = torch.randint(3, trained.config.get_text_config().vocab_size, (1, 12))
+    assert_same_weights(trained, last_checkpoint)
     with torch.no_grad():
-        torch.testing.assert_close(trained(ids).logits, last_checkpoint(ids).logits, rtol=0, atol=0)
+        assert_logits_close(trained(ids).logits, last_checkpoint(ids).logits)
 
 
 def test_paths_data_and_integrations_are_checked_before_training(

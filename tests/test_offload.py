@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.utils.offload import OffloadedWeightsLoader
-from conftest import MOE_FAMILIES, VOCAB, tiny_backbone_config
+from conftest import MOE_FAMILIES, VOCAB, assert_logits_close, tiny_backbone_config
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
@@ -96,8 +96,8 @@ def test_experts_of_half_the_layers_on_disk_give_the_same_logits_and_tokens(fami
     """The experts of every other MoE layer go to ``"disk"``, the rest to ``"cpu"``. The model holds them on
     ``meta`` and Accelerate reads them from disk at each forward: the checkpoint stores one tensor per expert, so
     transformers writes the fused tensors it builds at load into ``offload_folder`` and reads them from there. The
-    arithmetic is that of the whole model: logits and cached greedy tokens are bit-identical to the model loaded
-    without a device map."""
+    arithmetic is that of the whole model: logits equal the model loaded without a device map up to float32 rounding
+    (the offloaded weights lie at other addresses, which BLAS may block otherwise), and so do cached greedy tokens."""
     folder = saved_mhc_model(family, tmp_path / "model")
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
     moe_layers = expert_modules(reference)
@@ -114,7 +114,7 @@ def test_experts_of_half_the_layers_on_disk_give_the_same_logits_and_tokens(fami
         expected = reference(ids, output_router_logits=True)
         got = model(ids).logits
     assert all(logits.argmax(-1).unique().numel() > 1 for logits in expected.router_logits)  # routing per token
-    assert torch.equal(got, expected.logits)
+    assert_logits_close(got, expected.logits)
     assert all(param.device.type == "meta" for param in parameters_under(model, offloaded).values())  # still on disk
     greedy = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
     assert torch.equal(model.generate(ids, **greedy), reference.generate(ids, **greedy))
@@ -132,7 +132,7 @@ def test_a_checkpoint_with_fused_experts_is_offloaded_in_place(tmp_path):
     assert not any((tmp_path / "offload").iterdir())
     ids = token_ids()
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, reference(ids).logits)
+        assert_logits_close(model(ids).logits, reference(ids).logits)
 
 
 def test_the_offload_check_fails_when_nothing_was_offloaded(tmp_path):
@@ -158,7 +158,7 @@ def test_a_device_map_that_places_an_ancestor_of_the_offloaded_experts_fails_in_
 def test_auto_device_map_with_max_memory_sends_layers_to_disk(tmp_path):
     """``device_map="auto"`` with a CPU budget of half the model's bytes: the first modules stay on CPU, the rest
     go to disk whole (``MHCDecoderLayer`` is in ``_no_split_modules``, as the source's decoder layer is in its
-    own), and the logits are bit-identical."""
+    own), and the logits are the same up to float32 rounding."""
     folder = saved_mhc_model("qwen3_moe", tmp_path / "model")
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
     total = sum(param.numel() * param.element_size() for param in reference.parameters())
@@ -170,7 +170,7 @@ def test_auto_device_map_with_max_memory_sends_layers_to_disk(tmp_path):
     assert all(param.device.type == "meta" for param in parameters_under(model, on_disk).values())
     ids = token_ids()
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, reference(ids).logits)
+        assert_logits_close(model(ids).logits, reference(ids).logits)
 
 
 def expert_parameter_bytes(backbone_config: PretrainedConfig, hc_mult: int = 4,

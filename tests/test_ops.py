@@ -210,8 +210,9 @@ def test_map_token_chunks_writes_every_chunk_like_one_call(monkeypatch):
     assert [t.shape for t in got] == [(2, 7, 5), (2, 7, 3)]
     assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
     assert all(t._base is None for t in got)
-    torch.testing.assert_close(got[0], expected[0].to(torch.bfloat16), atol=0, rtol=0)
-    torch.testing.assert_close(got[1], expected[1], atol=0, rtol=0)
+    # torch's per-dtype tolerances: a chunk runs the same code on fewer tokens, which BLAS may block otherwise
+    torch.testing.assert_close(got[0], expected[0].to(torch.bfloat16))
+    torch.testing.assert_close(got[1], expected[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -544,6 +545,6 @@ def test_coefficients_stay_float32_under_autocast(backend):
     with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
         got = mhc_coeffs(x, fn, base, scale, sinkhorn_iters=5, eps=HC_EPS, norm_eps=NORM_EPS, backend=backend)
         merged = mhc_post_res(x, torch.randn(1, 6, 16), *got[1:], backend=backend)
-    for ours, ref in zip(got, expected, strict=True):
+    for ours, ref in zip(got, expected, strict=True):  # bit-exact: autocast leaves the same code on the same tensors
         torch.testing.assert_close(ours, ref, atol=0, rtol=0)
     assert merged.dtype == torch.float32

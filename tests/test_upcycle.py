@@ -51,6 +51,7 @@ def test_upcycle_builds_without_a_random_initialisation():
     assert torch.equal(torch.get_rng_state(), rng_before)
     assert not any(t.is_meta for t in (*mhc.parameters(), *mhc.buffers()))
     assert mhc.lm_head.weight is mhc.model.embed_tokens.weight
+    # Bit-exact: both rotary embeddings compute their frequencies with the same code from the same config.
     torch.testing.assert_close(mhc.model.rotary_emb.inv_freq, source.model.rotary_emb.inv_freq, atol=0, rtol=0)
 
 
@@ -173,7 +174,7 @@ def test_function_preserving_init_of_each_map_gives_its_stated_values(residual_m
     if residual_map == "permutations":
         sinkhorn_start = torch.softmax(mhc.config.hc_init_comb_diag * torch.eye(n), dim=-1)
         torch.testing.assert_close(comb, sinkhorn_start, atol=1e-6, rtol=0)
-    else:
+    else:  # bit-exact: identity's comb is built; unconstrained's is comb_b = I plus s2·tanh(0) = 0, exact in IEEE
         torch.testing.assert_close(comb, torch.eye(n), atol=0, rtol=0)
 
 
