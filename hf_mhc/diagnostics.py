@@ -648,9 +648,11 @@ class MHCStabilityCallback(TrainerCallback):
 def _load_for_inspection(checkpoint: str, device: torch.device, dtype: str) -> tuple[nn.Module, Any]:
     """The mHC model of ``checkpoint`` (a model folder / Hub id, or a PEFT adapter folder on an mHC base) and its
     tokenizer (``None`` when there is none)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_mhc  # noqa: F401  (registers model_type "mhc" with the Auto classes)
+
+    from .configuration_mhc import load_pretrained_config
 
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     is_adapter = (Path(checkpoint) / "adapter_config.json").is_file()
@@ -665,7 +667,7 @@ def _load_for_inspection(checkpoint: str, device: torch.device, dtype: str) -> t
         from .peft import adapter_base
 
         base = adapter_base(checkpoint)
-    model_type = AutoConfig.from_pretrained(base).model_type
+    model_type = load_pretrained_config(base).model_type
     if model_type != "mhc":
         raise ValueError(f"{base} is a {model_type!r} model, not an mHC one: upcycle it first (hf_mhc.upcycle)")
     if is_adapter:
@@ -715,13 +717,13 @@ def inspect_main(argv: list[str] | None = None) -> int:
 
     Parses ``argv`` (default ``sys.argv[1:]``) and runs :func:`run_inspect`; returns the exit status.
     """
-    from .cli import first_line
+    from .cli import BAD_INPUT_ERRORS, first_line
 
     parser = add_inspect_arguments(argparse.ArgumentParser(prog=INSPECT_PROG, description=INSPECT_DESCRIPTION))
     args = parser.parse_args(argv)
     try:
         return run_inspect(args)
-    except (OSError, ValueError, ImportError) as error:  # as hf-mhc's main: one line, no traceback
+    except BAD_INPUT_ERRORS as error:  # as hf-mhc's main: one line, no traceback
         print(f"{INSPECT_PROG}: error: {first_line(error)}", file=sys.stderr)
         return 1
 

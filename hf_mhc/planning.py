@@ -56,12 +56,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, masking_utils
+from transformers import AutoModelForCausalLM, PreTrainedConfig, masking_utils
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.initialization import no_init_weights
 from transformers.integrations import moe
 
-from .configuration_mhc import MHCConfig, check_backbone_type
+from .configuration_mhc import MHCConfig, check_attention_heads, check_backbone_type, load_pretrained_config
 from .conversion.convert import DTYPES  # the model dtypes hf-mhc's commands take
 from .conversion.upcycle import mhc_config_for
 from .kernels.profiling import held_for_backward
@@ -129,10 +129,11 @@ class MemoryPlan:
 
 
 def load_config(config: PreTrainedConfig | str | os.PathLike) -> PreTrainedConfig:
-    """``config`` itself, or the config of a folder / Hub id (``config.json`` only, never weights)."""
+    """``config`` itself, or the config of a folder / Hub id (``config.json`` only, never weights; one-line
+    ``ValueError`` for a config transformers' validation rejects, see :func:`load_pretrained_config`)."""
     if isinstance(config, PreTrainedConfig):
         return config
-    return AutoConfig.from_pretrained(os.fspath(config))
+    return load_pretrained_config(config)
 
 
 def kv_cache_layer_bytes_per_token(backbone: PreTrainedConfig, dtype: torch.dtype) -> tuple[int, str]:
@@ -312,6 +313,7 @@ def plan_memory(
     else:
         backbone = config
     check_backbone_type(backbone.model_type, backbone)
+    check_attention_heads(backbone)
     residual_map = residual_map or "sinkhorn"
     # The planned mHC model (validates hc_mult and the map: permutations needs hc_mult <= 4), with the config's
     # attention and experts kernels, as `upcycle` and a loaded model run them.
