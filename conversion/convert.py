@@ -40,11 +40,11 @@ from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoConfig, PreTrainedConfig
+from transformers import PreTrainedConfig
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.dynamic_module_utils import custom_object_save
 
-from hf_mhc.configuration_mhc import MHCConfig, check_backbone_type, check_hc_options
+from hf_mhc.configuration_mhc import MHCConfig, check_backbone_type, check_hc_options, load_pretrained_config
 from hf_mhc.modeling_mhc import AUTO_MAP, MHCForCausalLM, function_preserving_hc_tensors
 
 from .errors import ConversionError, VerificationError
@@ -395,9 +395,9 @@ def load_backbone_config(folder: Path) -> PreTrainedConfig:
             "hf-mhc convert needs a *ForCausalLM checkpoint (e.g. LlamaForCausalLM)."
         )
     try:
-        return AutoConfig.from_pretrained(folder)
-    except Exception as error:  # the config's own validation raises anything from KeyError to ZeroDivisionError
-        raise ConversionError(f"{config_path} cannot be loaded as a {model_type} config ({error}).") from None
+        return load_pretrained_config(folder)
+    except (OSError, ValueError) as error:
+        raise ConversionError(str(error)) from None
 
 
 def fp8_quantization_config(backbone_config: PreTrainedConfig, checkpoint: SourceCheckpoint) -> dict | None:

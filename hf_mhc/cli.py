@@ -35,6 +35,9 @@ from .mhc_reference import RESIDUAL_MAPS
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
+# What bad input or a bad environment raises in a subcommand (a missing file, a config transformers rejects: see
+# load_pretrained_config, a missing package): reported in one line, without a traceback.
+BAD_INPUT_ERRORS: tuple[type[Exception], ...] = (OSError, ValueError, ImportError)
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"hf-mhc {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (OSError, ValueError, ImportError) as error:  # bad input or environment: one line, no traceback
+    except BAD_INPUT_ERRORS as error:
         return _fail(args.command, first_line(error))
 
 
@@ -288,6 +291,7 @@ def _sigterm_raises_keyboard_interrupt() -> Iterator[None]:
 
 
 __all__ = [
+    "BAD_INPUT_ERRORS",
     "SUBCOMMANDS",
     "Subcommand",
     "build_parser",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 from collections.abc import Iterable
 from typing import Literal
 
@@ -391,7 +392,39 @@ def check_hc_options(names: Iterable[str], owner: str, *, only_hc_prefixed: bool
         raise ValueError(f"{owner} got an unknown mHC option {name!r}{hint}; valid options: {', '.join(valid)}.")
 
 
+
+def check_attention_heads(config: PreTrainedConfig) -> None:
+    """One-line ``ValueError`` when ``config``'s query heads do not split evenly over its key/value heads, which
+    transformers' config validation lets pass and its attention (``repeat_kv``) then fails on."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 and heads % kv_heads:
+        raise ValueError(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads}): "
+                         "each key/value head serves the same number of query heads.")
+
+
+def load_pretrained_config(name_or_path: str | os.PathLike) -> PreTrainedConfig:
+    """``AutoConfig.from_pretrained(name_or_path)`` (a folder or Hub id; ``config.json`` only), checked by
+    :func:`check_attention_heads`. A config that transformers' own validation rejects (it raises anything from
+    ``KeyError`` to huggingface_hub's ``StrictDataclassClassValidationError``) raises ``ValueError`` naming the file,
+    its ``model_type`` and the reason in one line; a missing file or Hub id raises ``OSError``."""
+    source = os.fspath(name_or_path)
+    raw, _ = PreTrainedConfig.get_config_dict(source)
+    where = os.path.join(source, "config.json") if os.path.isdir(source) else source
+    try:
+        config = AutoConfig.from_pretrained(source)
+        check_attention_heads(getattr(config, "backbone_config", None) or config)
+    except OSError:
+        raise
+    except Exception as error:
+        while error.__cause__ is not None:  # a validator's own error, wrapped by huggingface_hub
+            error = error.__cause__
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise ValueError(f"{where} cannot be loaded as a {raw.get('model_type')} config ({reason}).") from None
+    return config
+
+
 MHCConfig.register_for_auto_class()
 
 __all__ = ["BACKBONE_WIRINGS", "SUPPORTED_BACKBONES", "BackboneWiring", "MHCConfig", "backbone_wiring",
-           "check_backbone_type"]
+           "check_attention_heads", "check_backbone_type", "load_pretrained_config"]

@@ -648,9 +648,11 @@ class MHCStabilityCallback(TrainerCallback):
 def _load_for_inspection(checkpoint: str, device: torch.device, dtype: str) -> tuple[nn.Module, Any]:
     """The mHC model of ``checkpoint`` (a model folder / Hub id, or a PEFT adapter folder on an mHC base) and its
     tokenizer (``None`` when there is none)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_mhc  # noqa: F401  (registers model_type "mhc" with the Auto classes)
+
+    from .configuration_mhc import load_pretrained_config
 
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     is_adapter = (Path(checkpoint) / "adapter_config.json").is_file()
@@ -665,7 +667,7 @@ def _load_for_inspection(checkpoint: str, device: torch.device, dtype: str) -> t
         from .peft import adapter_base
 
         base = adapter_base(checkpoint)
-    model_type = AutoConfig.from_pretrained(base).model_type
+    model_type = load_pretrained_config(base).model_type
     if model_type != "mhc":
         raise ValueError(f"{base} is a {model_type!r} model, not an mHC one: upcycle it first (hf_mhc.upcycle)")
     if is_adapter:
@@ -715,13 +717,13 @@ def inspect_main(argv: list[str] | None = None) -> int:
 
     Parses ``argv`` (default ``sys.argv[1:]``) and runs :func:`run_inspect`; returns the exit status.
     """
-    from .cli import first_line
+    from .cli import BAD_INPUT_ERRORS, first_line
 
     parser = add_inspect_arguments(argparse.ArgumentParser(prog=INSPECT_PROG, description=INSPECT_DESCRIPTION))
     args = parser.parse_args(argv)
     try:
         return run_inspect(args)
-    except (OSError, ValueError, ImportError) as error:  # as hf-mhc's main: one line, no traceback
+    except BAD_INPUT_ERRORS as error:  # as hf-mhc's main: one line, no traceback
         print(f"{INSPECT_PROG}: error: {first_line(error)}", file=sys.stderr)
         return 1
 
@@ -732,8 +734,10 @@ def run_inspect(args: argparse.Namespace) -> int:
     Loads the checkpoint (an mHC model, or a PEFT adapter whose base is one), runs :func:`stability_report` on the
     text (tokenised with the checkpoint's tokenizer; without one, 64 random token ids with seed 0), prints the table of
     :func:`format_report` and optionally writes the report as JSON and PNG plots (:func:`plot_report`, needs
-    matplotlib). Returns the exit status: 0 on success, 1 when the checkpoint or input cannot be used (one
-    ``hf-mhc inspect: error: ...`` line on stderr).
+    matplotlib). The JSON is strict: a NaN or infinite value is ``null``, and ``non_finite_values`` maps where it was
+    to what it was (``{"sites[0].forward_gain_max": "nan"}``); ``non_finite_parameters`` names the model's parameters
+    holding NaN or inf. Returns the exit status: 0 on success, 1 when the checkpoint or input cannot be used or the
+    report is not finite (one ``hf-mhc inspect: error: ...`` line on stderr; no plots then).
     """
 
     from .cli import first_line, folder_error, output_path_error
@@ -745,6 +749,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     missing = folder_error(args.checkpoint)
     if missing is not None:
         return fail(missing)
+    if args.text is not None and not args.text.strip():
+        return fail("--text is empty; give text to run the model on, or leave --text out for the default passage")
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -779,15 +785,53 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     report = stability_report(model, input_ids)
     print(format_report(report))
+    non_finite_parameters = [name for name, parameter in model.named_parameters()
+                             if not torch.isfinite(parameter).all()]
+    finite_report, non_finite_values = _json_ready(report)
     if args.json is not None:
         json_path = Path(args.json).expanduser()
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2), encoding="utf-8")
+        finite_report |= {"non_finite_parameters": non_finite_parameters, "non_finite_values": non_finite_values}
+        json_path.write_text(json.dumps(finite_report, indent=2, allow_nan=False), encoding="utf-8")
         print(f"report written to {args.json}")
+    if non_finite_parameters or non_finite_values:
+        what = (f"non-finite parameters: {_first_names(non_finite_parameters)}" if non_finite_parameters else
+                f"non-finite report values: {_first_names(list(non_finite_values))}")
+        written = ("null in --json (its non_finite_values lists them)" if args.json is not None
+                   else "nan / inf in the table")
+        return fail(f"{what}; the report's non-finite values are {written}{'; no plots written' if args.plot else ''}")
     if args.plot is not None:
         paths = plot_report(report, Path(args.plot).expanduser())
         print(f"{len(paths)} plots written to {args.plot}")
     return 0
+
+
+def _json_ready(value: Any, path: str = "") -> tuple[Any, dict[str, str]]:
+    """``value`` (a :func:`stability_report` or part of it) with every NaN / infinite float replaced by ``None``, and
+    where those were: ``{"sites[0].forward_gain_max": "nan", ...}`` (strict JSON has no NaN or Infinity)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, {path: repr(value)}
+    found: dict[str, str] = {}
+    if isinstance(value, dict):
+        ready = {}
+        for key, item in value.items():
+            ready[key], where = _json_ready(item, f"{path}.{key}" if path else key)
+            found |= where
+        return ready, found
+    if isinstance(value, list):
+        ready = []
+        for index, item in enumerate(value):
+            item, where = _json_ready(item, f"{path}[{index}]")
+            ready.append(item)
+            found |= where
+        return ready, found
+    return value, found
+
+
+def _first_names(names: list[str], shown: int = 3) -> str:
+    """``a, b, c and 4 more``."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 __all__ = [

@@ -13,11 +13,15 @@
   decoding). The layer types are transformers' own (``layer_types``, else ``sliding_window``). mHC leaves the cache
   unchanged: attention reads the collapsed ``[B, T, C]`` sublayer input, not the ``n`` streams.
 * **Parameters**: the model built on the ``meta`` device (no memory, no weights), the backbone in ``dtype`` and the HC
-  maps in float32, then split per device: tensor parallelism (``tp``) shards the weights the backbone's TP plan names
-  colwise / rowwise (a rowwise bias, the embeddings, norms, router, head and all HC maps are replicated); pipeline
-  parallelism (``pp``) gives each stage an even share of the layers (the first ``L mod pp`` stages one more), the
-  embeddings to the first stage and the final norm, mHC head and LM head to the last (tied embeddings on both); FSDP
-  (``fsdp``) shards what each stage holds evenly.
+  maps in float32, then split per device as transformers' ``DistributedConfig`` splits it, on the device holding the
+  most: tensor parallelism (``tp``) follows the model's own TP plan (``model.tp_plan``), each style placing a
+  parameter as transformers' does (:data:`TP_STYLE_PLACEMENTS`: colwise by output rows, rowwise by input columns with
+  the bias whole, the embeddings and LM head by vocabulary rows, packed gate / up halves each apart; ``torch.chunk``'s
+  slices, ``ceil(d / tp)`` on the first ranks); what the plan leaves whole (norms, router, ...) and the HC maps are
+  on every rank. Pipeline parallelism (``pp``) gives each stage an even share of the layers (the first ``L mod pp``
+  stages one more), the embeddings to the first stage and the final norm, mHC head and LM head to the last (tied
+  embeddings on both); FSDP (``fsdp``) is FSDP2's split of each TP shard along dimension 0, ``ceil(rows / fsdp)`` rows
+  on every rank (padded to the first rank's).
 * **mHC traffic**, in HBM bytes per token per layer (two sites: attention and feed-forward), from the element counts
   of the mHC paper's Table 2 with streams in ``dtype``: unfused (transformers' DeepSeek-V4 path) a site reads
   ``(5n+1)·C`` and writes ``(3n+1)·C``; with hf-mhc's fused kernels it reads ``n·C`` and writes ``C`` for the
@@ -47,21 +51,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import fnmatch
 import math
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, masking_utils
+from transformers import AutoModelForCausalLM, PreTrainedConfig, masking_utils
 from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, _get_parameter_plan
+from transformers.distributed.tensor_parallel import TensorParallelLayer, get_kv_heads_per_rank
 from transformers.initialization import no_init_weights
 from transformers.integrations import moe
 
-from .configuration_mhc import MHCConfig, check_backbone_type
+from .configuration_mhc import MHCConfig, check_attention_heads, check_backbone_type, load_pretrained_config
 from .conversion.convert import DTYPES  # the model dtypes hf-mhc's commands take
 from .conversion.upcycle import mhc_config_for
 from .kernels.profiling import held_for_backward
@@ -69,7 +74,21 @@ from .modeling_mhc import HC_MODULE_NAMES
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 WINDOW_TENSOR_BYTES = 8  # the int64 scalar a DynamicSlidingWindowLayer holds (its `_sliding_window_tensor`)
-SHARDED_TP_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise", "local_colwise", "local_rowwise")
+# How transformers' TP styles (transformers.distributed.tensor_parallel) place a parameter of `ndim` dimensions named
+# `leaf`: the dimension each rank holds a slice of, and whether that dimension packs two halves (gate and up) split
+# separately (`_StridedShard(split_factor=2)`); None: the parameter stays whole. The styles not named here and whose
+# `shard_param` is TensorParallelLayer's own (a no-op: moe_tp_experts, replicated_with_grad_allreduce, ...) keep
+# their parameters whole.
+TP_STYLE_PLACEMENTS: dict[str, Callable[[str, int], tuple[int, bool] | None]] = {
+    **dict.fromkeys(("colwise", "colwise_gather_output", "colwise_rep"), lambda leaf, ndim: (max(ndim - 2, 0), False)),
+    **dict.fromkeys(("rowwise", "rowwise_split_input", "rowwise_rep"),
+                    lambda leaf, ndim: None if leaf == "bias" else (ndim - 1, False)),
+    "embedding_rowwise": lambda leaf, ndim: (0, False),
+    "embedding_colwise": lambda leaf, ndim: (1, False),
+    "packed_colwise": lambda leaf, ndim: (0, False) if ndim == 1 else (ndim - 2, True),
+    "packed_rowwise": lambda leaf, ndim: None if ndim == 1 else (ndim - 1, True),
+}
+INT64_MAX = 2**63 - 1  # the largest size (and byte count) a torch tensor can have
 # Held while _forward_as_in_training's substitutions are in place: plans in two threads take turns, so each
 # restores the originals it found.
 _SUBSTITUTING = threading.RLock()
@@ -107,7 +126,7 @@ class MemoryPlan:
     tp: int
     pp: int
     fsdp: int
-    parameter_bytes_per_stage: list[int]  # per device of each pipeline stage, after TP and FSDP
+    parameter_bytes_per_stage: list[int]  # on the device of each pipeline stage holding the most, after TP and FSDP
     parameter_bytes_per_device: int  # the largest of them
     layer_weight_bytes: int  # the weights of one decoder layer, averaged over the layers
     layer_weight_bytes_read_per_token_decode: float  # of them, what one decode token reads (experts: at most k·B of E)
@@ -116,7 +135,7 @@ class MemoryPlan:
     mhc_traffic_over_weights_decode: dict[str, float] = field(default_factory=dict)
     mhc_traffic_over_weights_prefill: dict[str, float] = field(default_factory=dict)
     microbatches: int = 1
-    pipeline_boundary_bytes_per_microbatch: int = 0
+    pipeline_boundary_bytes_per_microbatch: int = 0  # the streams of one microbatch (crossing none when pp = 1)
     # Activations, keyed by ACTIVATION_CASES' names (the mHC cases only in a plan of an mHC model).
     activation_bytes: dict[str, int] = field(default_factory=dict)  # held for backward, the whole workload
     activation_bytes_per_token_layer: dict[str, float] = field(default_factory=dict)  # the decoder layers' share
@@ -129,10 +148,11 @@ class MemoryPlan:
 
 
 def load_config(config: PreTrainedConfig | str | os.PathLike) -> PreTrainedConfig:
-    """``config`` itself, or the config of a folder / Hub id (``config.json`` only, never weights)."""
+    """``config`` itself, or the config of a folder / Hub id (``config.json`` only, never weights; one-line
+    ``ValueError`` for a config transformers' validation rejects, see :func:`load_pretrained_config`)."""
     if isinstance(config, PreTrainedConfig):
         return config
-    return AutoConfig.from_pretrained(os.fspath(config))
+    return load_pretrained_config(config)
 
 
 def kv_cache_layer_bytes_per_token(backbone: PreTrainedConfig, dtype: torch.dtype) -> tuple[int, str]:
@@ -168,18 +188,63 @@ def _is_hc(name: str) -> bool:
     return any(part in HC_MODULE_NAMES for part in name.split(".")[:-1])
 
 
-def _tp_sharded(name: str, plan: dict[str, str]) -> bool:
-    """Whether TP shards parameter ``name`` (``model.layers.0.self_attn.q_proj.weight``) under the base-model plan."""
-    inner = name.removeprefix("model.")
-    module, _, leaf = inner.rpartition(".")
-    for pattern, style in plan.items():
-        if style not in SHARDED_TP_STYLES:
+def _tp_placement(style: str | None, name: str, ndim: int) -> tuple[int, bool] | None:
+    """``(dimension split, packed halves?)`` of parameter ``name`` under TP ``style`` (None: kept whole)."""
+    if style is None:
+        return None
+    if style in TP_STYLE_PLACEMENTS:
+        return TP_STYLE_PLACEMENTS[style](name.rpartition(".")[2], ndim)
+    if type(ALL_PARALLEL_STYLES[style]).shard_param is TensorParallelLayer.shard_param:
+        return None
+    raise ValueError(f"cannot plan the tensor-parallel style {style!r} of {name}")
+
+
+def _tp_shard_sizes(size: int, tp: int, packed: bool) -> tuple[int, int]:
+    """The largest (rank 0's) and smallest (the last rank's) slice of a dimension of ``size`` split over ``tp`` ranks
+    as DTensor's ``Shard`` splits it (``torch.chunk``: ``ceil(size / tp)`` each, the last ranks what is left), each of
+    two packed halves apart when ``packed``."""
+    halves = 2 if packed else 1
+    part = size // halves
+    chunk = -(-part // tp)
+    return halves * chunk, halves * max(0, part - chunk * (tp - 1))
+
+
+def tp_shard_shapes(model: torch.nn.Module, tp: int) -> dict[str, tuple[int, ...]]:
+    """The shape of each parameter's largest TP shard (every parameter's on rank 0) when transformers applies
+    ``model``'s own TP plan (``model.tp_plan``: the config's ``base_model_tp_plan`` and the class's ``_tp_plan``) over
+    ``tp`` ranks. Raises ``ValueError`` for what the plan cannot split: no plan, query or key/value heads that the
+    plan splits by head and ``tp`` does not divide, a split dimension leaving a rank without a slice."""
+    shapes = {name: tuple(parameter.shape) for name, parameter in model.named_parameters()}
+    if tp == 1:
+        return shapes
+    config = model.config.get_text_config()
+    if not model.tp_plan:
+        raise ValueError(f"tp {tp}: transformers has no tensor-parallel plan for {config.model_type}")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if get_kv_heads_per_rank(model.tp_plan, [heads, kv_heads], tp) is None:
+        raise ValueError(f"tp {tp} does not divide the {heads} attention heads and {kv_heads} key/value heads, which "
+                         f"the {config.model_type} TP plan splits by head (every rank holds the same whole heads)")
+    for name, shape in shapes.items():
+        placement = _tp_placement(_get_parameter_plan(name, model.tp_plan), name, len(shape))
+        if placement is None:
             continue
-        if fnmatch.fnmatchcase(inner, pattern):  # a parameter named in the plan (fused experts)
-            return True
-        if fnmatch.fnmatchcase(module, pattern):
-            return not (leaf == "bias" and "rowwise" in style)  # a rowwise bias is added after the reduction
-    return False
+        dim, packed = placement
+        largest, smallest = _tp_shard_sizes(shape[dim], tp, packed)
+        if smallest == 0:
+            raise ValueError(f"tp {tp} leaves rank {tp - 1} without a slice of {name} (its dimension {dim} of "
+                             f"{shape[dim]} splits into slices of "
+                             + (f"{largest // 2} per packed half)" if packed else f"{largest})"))
+        shapes[name] = shape[:dim] + (largest,) + shape[dim + 1:]
+    return shapes
+
+
+def fsdp_shard_numel(shape: tuple[int, ...], fsdp: int) -> int:
+    """Elements each of ``fsdp`` ranks stores of a parameter of ``shape`` under FSDP2 (``fully_shard``, as
+    transformers' and Accelerate's FSDP apply it): dimension 0 split as ``torch.chunk`` splits it, every rank's slice
+    padded to the first one's ``ceil(rows / fsdp)`` rows."""
+    rows = shape[0] if shape else 1
+    return -(-rows // fsdp) * (math.prod(shape) // rows if rows else 0)
 
 
 def _layer_index(name: str) -> int | None:
@@ -294,12 +359,17 @@ def plan_memory(
     ``hc_mult``: the streams of the mHC model planned; ``None`` keeps the config's own (an :class:`MHCConfig`'s
     ``hc_mult``, or the residual model itself for a backbone config). ``residual_map``: its ``hc_residual_map``
     (the HC parameter shapes differ: ``identity`` has no ``comb`` rows, ``permutations`` ``n!`` of them); ``None``
-    keeps an :class:`MHCConfig`'s own, else ``"sinkhorn"``. Raises ``ValueError`` on bad input.
+    keeps an :class:`MHCConfig`'s own, else ``"sinkhorn"``; it needs an mHC model (``hc_mult`` or an
+    :class:`MHCConfig`). ``tp``, ``pp``, ``fsdp``: the layout, as transformers' ``DistributedConfig`` applies it (see
+    the module docstring). Raises ``ValueError`` on bad input, a layout the model cannot take, and a workload whose
+    tensors exceed torch's sizes.
     """
     for name, value in (("tokens", tokens), ("batch", batch), ("tp", tp), ("pp", pp), ("fsdp", fsdp),
                         ("microbatches", microbatches)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if value > INT64_MAX:
+            raise ValueError(f"{name} {value} exceeds {INT64_MAX} (2^63 - 1), the largest size of a torch tensor")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if batch % microbatches:
@@ -311,7 +381,11 @@ def plan_memory(
         residual_map = config.hc_residual_map if residual_map is None else residual_map
     else:
         backbone = config
+        if residual_map is not None and hc_mult is None:
+            raise ValueError(f"residual_map {residual_map!r} applies to an mHC model; give hc_mult (hf-mhc plan "
+                             "--hc-mult N) to plan the residual config as one")
     check_backbone_type(backbone.model_type, backbone)
+    check_attention_heads(backbone)
     residual_map = residual_map or "sinkhorn"
     # The planned mHC model (validates hc_mult and the map: permutations needs hc_mult <= 4), with the config's
     # attention and experts kernels, as `upcycle` and a loaded model run them.
@@ -342,20 +416,21 @@ def plan_memory(
 
     # Parameters
     model = _meta_model(backbone if mhc_config is None else mhc_config)
-    tp_plan = getattr(backbone, "base_model_tp_plan", None) or {}
+    tp_shapes = tp_shard_shapes(model, tp)
     stage_of_layer = []
     for stage in range(pp):
         stage_of_layer += [stage] * (layers // pp + (stage < layers % pp))
-    stage_bytes = [0] * pp
+    per_stage = [0] * pp
+    longest_rows: list[tuple[int, str]] = [(0, "")] * pp  # the longest dimension 0 of each stage's TP shards
     backbone_bytes = hc_bytes = 0
     shared = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n.endswith("lm_head.weight")}
     for name, parameter in model.named_parameters():
-        size = parameter.numel() * (4 if _is_hc(name) else element)
+        bytes_per_value = 4 if _is_hc(name) else element
+        size = parameter.numel() * bytes_per_value
         if _is_hc(name):
             hc_bytes += size
         else:
             backbone_bytes += size
-        shard = math.ceil(size / tp) if tp > 1 and _tp_sharded(name, tp_plan) else size
         index = _layer_index(name)
         if index is not None:
             stages = {stage_of_layer[index]}
@@ -363,9 +438,15 @@ def plan_memory(
             stages = {0} | ({pp - 1} if id(parameter) in shared else set())
         else:
             stages = {pp - 1}
+        shape = tp_shapes[name]
         for stage in stages:
-            stage_bytes[stage] += shard
-    per_stage = [math.ceil(size / fsdp) for size in stage_bytes]
+            per_stage[stage] += fsdp_shard_numel(shape, fsdp) * bytes_per_value
+            longest_rows[stage] = max(longest_rows[stage], (shape[0] if shape else 1, name))
+    for stage, (rows, name) in enumerate(longest_rows):
+        if fsdp > rows:
+            raise ValueError(f"fsdp {fsdp} exceeds the {rows} rows of {name}, the longest dimension 0 of pipeline "
+                             f"stage {stage}'s parameters: FSDP2 splits every parameter along dimension 0, so the "
+                             f"ranks beyond {rows} would hold only padding")
     layer_weights = decode_reads = 0
     top_k = getattr(backbone, "num_experts_per_tok", None) or 1
     for name, parameter in model.named_parameters():
@@ -391,8 +472,14 @@ def plan_memory(
     models = [(False, backbone)] + ([] if mhc_config is None else [(True, mhc_config)])
     for is_mhc, model_config in models:
         cases = [case for case in ACTIVATION_CASES if case[1] == is_mhc]
-        counts = activations_held(model_config, torch_dtype, batch=batch, tokens=tokens,
-                                  cases=tuple((recompute, checkpointing) for _, _, recompute, checkpointing in cases))
+        try:
+            counts = activations_held(model_config, torch_dtype, batch=batch, tokens=tokens, cases=tuple(
+                (recompute, checkpointing) for _, _, recompute, checkpointing in cases))
+        except RuntimeError as error:  # torch's check of every size against int64, on fake tensors as on real ones
+            if "overflow" not in str(error).lower():
+                raise
+            raise ValueError(f"batch {batch} x {tokens} tokens is too large to count the activations: a tensor of "
+                             f"the forward would exceed {INT64_MAX} bytes, the most a torch tensor holds") from None
         for (name, _, _, checkpointing), by_layer in zip(cases, counts, strict=True):
             in_layers = [size for index, size in by_layer.items() if index is not None]
             held[name] = sum(by_layer.values())
@@ -466,11 +553,12 @@ def format_plan(plan: MemoryPlan) -> str:
                      + ", ".join(f"{format_bytes(size)} {name}" for name, size in outside.items())
                      + f"); with gradient checkpointing, backward adds one recomputed layer (at most"
                      f" {format_bytes(largest)}); C = hidden size x {element} B"))
-    rows.append(("pipeline boundary", f"{format_bytes(plan.pipeline_boundary_bytes_per_microbatch)} per microbatch "
-                 f"({plan.microbatches} microbatches) at each stage boundary"))
+    if plan.pp > 1:
+        rows.append(("pipeline boundary", f"{format_bytes(plan.pipeline_boundary_bytes_per_microbatch)} per "
+                     f"microbatch ({plan.microbatches} microbatches) at each stage boundary"))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 
 
-__all__ = ["DTYPES", "MemoryPlan", "format_bytes", "format_plan", "kv_cache_layer_bytes_per_token", "load_config",
-           "plan_memory"]
+__all__ = ["DTYPES", "MemoryPlan", "format_bytes", "format_plan", "fsdp_shard_numel", "kv_cache_layer_bytes_per_token",
+           "load_config", "plan_memory", "tp_shard_shapes"]

@@ -350,6 +350,44 @@ def test_inspect_cli_prints_the_table_for_a_checkpoint_without_tokenizer(tmp_pat
     assert "random token ids" in printed and "layer 2 ffn" in printed and "composite over depth" in printed
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["hc_mult"] == 3 and len(report["sites"]) == 6 and report["num_tokens"] == 64
+    assert report["non_finite_parameters"] == [] and report["non_finite_values"] == {}
+
+
+def refuse_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def test_inspect_writes_strict_json_and_fails_on_non_finite_parameters(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    model = mhc_model(hc_mult=2)
+    with torch.no_grad():
+        model.model.layers[0].attn_hc.fn.fill_(float("nan"))
+    model.save_pretrained(tmp_path / "mhc")
+    capsys.readouterr()
+    json_path, plots = tmp_path / "report.json", tmp_path / "plots"
+    assert inspect_main([str(tmp_path / "mhc"), "--json", str(json_path), "--plot", str(plots)]) == 1
+    captured = capsys.readouterr()  # stderr: the loading progress bar, then the error
+    assert captured.err.splitlines()[-1] == (
+        "hf-mhc inspect: error: non-finite parameters: model.layers.0.attn_hc.fn; the report's non-finite values are "
+        "null in --json (its non_finite_values lists them); no plots written") and "Traceback" not in captured.err
+    assert f"report written to {json_path}" in captured.out and not plots.exists()
+    report = json.loads(json_path.read_text(), parse_constant=refuse_constant)
+    assert report["non_finite_parameters"] == ["model.layers.0.attn_hc.fn"]
+    assert report["sites"][0]["forward_gain_max"] is None
+    assert report["non_finite_values"]["sites[0].forward_gain_max"] == "nan"
+    assert report["non_finite_values"]["summary.composite_forward_gain"] == "nan"
+    assert all(value in ("nan", "inf", "-inf") for value in report["non_finite_values"].values())
+    assert inspect_main([str(tmp_path / "mhc")]) == 1  # without --json too
+    assert capsys.readouterr().err.endswith("the report's non-finite values are nan / inf in the table\n")
+
+
+def test_inspect_refuses_empty_text(tmp_path, capsys):
+    mhc_model(hc_mult=2).save_pretrained(tmp_path / "mhc")
+    capsys.readouterr()
+    for text in ("", "  \n"):
+        assert inspect_main([str(tmp_path / "mhc"), "--text", text]) == 1
+        assert capsys.readouterr().err == ("hf-mhc inspect: error: --text is empty; give text to run the model on, or "
+                                           "leave --text out for the default passage\n")
 
 
 def test_inspect_cli_names_the_variant_of_a_saved_checkpoint(tmp_path, capsys):

@@ -4,6 +4,7 @@ traceback (``hf-mhc``, ``examples/quickstart.py``; ``examples/finetune.py`` in t
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,33 @@ def test_hf_mhc_says_no_such_folder_and_turns_bad_input_into_one_line(capsys, mo
     with pytest.raises(SystemExit) as exit_info:  # what argparse itself rejects keeps its status 2
         main(["inspect"])
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize(("backbone", "reason"), [
+    ({"hidden_size": 100, "num_attention_heads": 3},
+     "The hidden size (100) is not a multiple of the number of attention heads (3)."),
+    ({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3},
+     "num_attention_heads (4) is not a multiple of num_key_value_heads (3): each key/value head serves the same "
+     "number of query heads."),
+])
+def test_every_subcommand_refuses_a_config_transformers_cannot_use_in_one_line(backbone, reason, tmp_path, capsys):
+    """What transformers' config validation rejects, and what its attention then fails on: convert, plan and inspect
+    load the config the same way and say so in one line (status 1); inspect reads the backbone of an mHC config."""
+    backbone = {"model_type": "llama", "num_hidden_layers": 2, "intermediate_size": 32, "vocab_size": 50, **backbone}
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(backbone))
+    (tmp_path / "mhc").mkdir()
+    (tmp_path / "mhc" / "config.json").write_text(json.dumps({"model_type": "mhc", "backbone_config": backbone}))
+    for argv, model_type, prefix in (
+        (["convert", str(tmp_path / "llama"), str(tmp_path / "out")], "llama", ""),
+        (["plan", str(tmp_path / "llama")], "llama", ""),
+        (["inspect", str(tmp_path / "mhc")], "mhc", f"cannot load {tmp_path / 'mhc'}: "),
+    ):
+        folder = tmp_path / model_type
+        assert main(argv) == 1, argv
+        assert capsys.readouterr().err == (f"hf-mhc {argv[0]}: error: {prefix}{folder / 'config.json'} cannot be "
+                                           f"loaded as a {model_type} config ({reason}).\n")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.fixture(scope="module")

@@ -5,17 +5,21 @@ bytes by hand."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import FAMILY_SETTINGS, tiny_backbone_config
+from distributed_workers import native_worker
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers_suite import run_distributed
 
 import hf_mhc
 from hf_mhc import MHCConfig, MHCForCausalLM
 from hf_mhc.cli import main
 from hf_mhc.kernels.profiling import cache_bytes
-from hf_mhc.planning import plan_memory
+from hf_mhc.planning import format_plan, plan_memory
 
 TOKENS = 11  # more than every tiny sliding window (Mistral 6, Gemma 3 4, Qwen2's below 5)
 GiB = 2**30
@@ -78,26 +82,91 @@ def test_parameter_bytes_in_bfloat16_and_per_device():
     upcycled = hf_mhc.upcycle(source, hc_mult=2)  # backbone in bfloat16, HC in float32
     plan = plan_memory(source.config, tokens=TOKENS, dtype="bfloat16", hc_mult=2)
     assert plan.parameter_bytes == sum(p.numel() * p.element_size() for p in upcycled.parameters())
-    # By hand, float32, n = 2, C = 32, 2 layers: q, k, v, o (32x32, 16x32, 16x32, 32x32) and gate, up, down (48x32)
-    # are what the TP plan shards; norms, HC maps, embeddings, final norm, mHC head and LM head are replicated.
-    projections = 32 * 32 + 16 * 32 + 16 * 32 + 32 * 32 + 3 * 48 * 32
+    # By hand, float32, n = 2, C = 32, 2 layers, vocabulary 101. Llama's TP plan splits q, k, v (32x32, 16x32, 16x32),
+    # gate and up (48x32) by rows, o (32x32) and down (32x48) by columns, the embeddings and the LM head (101x32) by
+    # rows (51 on rank 0, 50 on rank 1); norms, HC maps, final norm and mHC head are whole on every rank.
+    norms = 2 * 32
     site = (2 + 2) * 2 * (2 * 32) + (2 + 2) * 2 + 3  # fn [(n+2)n, nC], base [(n+2)n], scale [3]
-    layer = projections + 2 * 32 + 2 * site
-    embed, head = 101 * 32, 2 * (2 * 32) + 2 + 1
+    layer = 32 * 32 + 16 * 32 + 16 * 32 + 32 * 32 + 3 * 48 * 32 + norms + 2 * site
+    embed, head = 101 * 32, 2 * (2 * 32) + 2 + 1  # hc_fn [n, nC], hc_base [n], hc_scale [1]
+    layer_tp2 = layer - (32 * 32 + 16 * 32 + 16 * 32 + 32 * 32 + 3 * 48 * 32) // 2
+    embed_tp2 = 51 * 32
+    tp2 = plan_memory(source.config, dtype="float32", hc_mult=2, tp=2, pp=2)
+    assert tp2.parameter_bytes == 4 * (2 * layer + embed + 32 + head + embed)
+    assert tp2.parameter_bytes_per_stage == [4 * (embed_tp2 + layer_tp2), 4 * (layer_tp2 + 32 + head + embed_tp2)]
+    assert tp2.layer_weight_bytes == 4 * layer
+
+    def fsdp3(rows: int, row: int = 1) -> int:  # FSDP2 over 3 ranks: ceil(rows / 3) rows of a TP shard on each
+        return -(-rows // 3) * row
+
+    layer_tp2_fsdp3 = (fsdp3(16, 32) + 2 * fsdp3(8, 32) + fsdp3(32, 16) + 2 * fsdp3(24, 32) + fsdp3(32, 24)
+                       + 2 * fsdp3(32) + 2 * (fsdp3(8, 64) + fsdp3(8) + fsdp3(3)))
+    head_fsdp3 = fsdp3(2, 64) + fsdp3(2) + fsdp3(1)
     plan = plan_memory(source.config, dtype="float32", hc_mult=2, tp=2, pp=2, fsdp=3)
-    first = embed + projections // 2 + 2 * 32 + 2 * site
-    last = projections // 2 + 2 * 32 + 2 * site + 32 + head + embed
-    assert plan.parameter_bytes == 4 * (2 * layer + embed + 32 + head + embed)
-    assert plan.parameter_bytes_per_stage == [-(-4 * first // 3), -(-4 * last // 3)]
-    assert plan.parameter_bytes_per_device == -(-4 * last // 3)
-    assert plan.layer_weight_bytes == 4 * layer
-    assert plan_memory(source.config, dtype="float32", hc_mult=2, fsdp=4).parameter_bytes_per_device == (
-        plan.parameter_bytes // 4
-    )
+    assert plan.parameter_bytes_per_stage == [4 * (fsdp3(51, 32) + layer_tp2_fsdp3),
+                                              4 * (layer_tp2_fsdp3 + fsdp3(32) + head_fsdp3 + fsdp3(51, 32))]
+    assert plan.parameter_bytes_per_device == max(plan.parameter_bytes_per_stage)
     # Tied embeddings: counted once in all, held by the first stage (embedding) and the last (LM head).
     tied = plan_memory(tiny_backbone_config("llama", tie_word_embeddings=True), dtype="float32", hc_mult=2, tp=2, pp=2)
     assert tied.parameter_bytes == 4 * (2 * layer + embed + 32 + head)
-    assert tied.parameter_bytes_per_stage == [4 * first, 4 * last]
+    assert tied.parameter_bytes_per_stage == tp2.parameter_bytes_per_stage
+
+
+def test_tp_follows_the_models_own_plan_for_a_16_layer_llama():
+    """The case of the report: Llama's TP plan splits the embeddings and the LM head too; 36 % less than when they
+    were counted whole on every rank."""
+    config = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=8192, vocab_size=32000)
+    layer = 2 * 2048 * 2048 + 2 * 512 * 2048 + 3 * 8192 * 2048  # q, o; k, v; gate, up, down: split 4 ways
+    per_device = 2 * (16 * (layer // 4 + 2 * 2048) + 2 * 32000 * 2048 // 4 + 2048)
+    plan = plan_memory(config, tokens=16, tp=4)
+    assert plan.parameter_bytes_per_device == per_device == 552_210_432
+    for layout, message in (
+        (dict(tp=3), "tp 3 does not divide the 32 attention heads and 8 key/value heads, which the llama TP plan "
+                     "splits by head (every rank holds the same whole heads)"),
+        (dict(tp=64), "tp 64 does not divide the 32 attention heads"),
+        (dict(tp=1_000_000), "tp 1000000 does not divide the 32 attention heads"),
+        (dict(fsdp=1_000_000_000), "fsdp 1000000000 exceeds the 32000 rows of model.embed_tokens.weight, the longest "
+                                   "dimension 0 of pipeline stage 0's parameters: FSDP2 splits every parameter along "
+                                   "dimension 0, so the ranks beyond 32000 would hold only padding"),
+        (dict(fsdp=40_000, pp=2), "fsdp 40000 exceeds the 32000 rows of model.embed_tokens.weight"),
+    ):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+            plan_memory(config, tokens=16, **layout)
+    # At most 32000 ranks: one row of each parameter on each (q, k, v, o, gate, up: 2048; down: 8192; a norm: 1).
+    assert plan_memory(config, tokens=16, fsdp=32_000).parameter_bytes_per_device == 2 * (
+        16 * (6 * 2048 + 8192 + 2) + 2 * 2048 + 1)
+
+
+def test_tp_splits_heads_only_where_the_plan_does():
+    """OLMo 2's plan gathers the attention projections' outputs, so its heads need not divide by tp (as Llama's do);
+    a split that leaves a rank nothing of a dimension is refused."""
+    olmo2 = tiny_backbone_config("olmo2")  # 4 heads, 2 key/value heads
+    plan_memory(olmo2, tokens=4, tp=3)
+    with pytest.raises(ValueError, match="^tp 3 does not divide the 4 attention heads and 2 key/value heads"):
+        plan_memory(tiny_backbone_config("llama"), tokens=4, tp=3)
+    with pytest.raises(ValueError, match=re.escape("tp 12 leaves rank 11 without a slice of "
+                                                   "model.layers.0.self_attn.q_proj.weight (its dimension 0 of 32 "
+                                                   "splits into slices of 3)")):  # 3 x 10 + 2 + 0
+        plan_memory(olmo2, tokens=4, tp=12)
+    deepseek = CASES["deepseek_v3"]  # MLA attention is not in its plan; the experts' gate and up are packed halves
+    with pytest.raises(ValueError, match=re.escape("tp 12 leaves rank 11 without a slice of "
+                                                   "model.layers.1.mlp.experts.gate_up_proj (its dimension 1 of 32 "
+                                                   "splits into slices of 2 per packed half)")):
+        plan_memory(deepseek, tokens=4, tp=12)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_parameter_bytes_per_device_equal_what_transformers_ranks_hold(tmp_path):
+    """Two CPU ranks load each checkpoint with transformers' own DistributedConfig(tp_size=2), then fsdp_size=2: the
+    most any rank holds equals the plan's bytes per device. Uneven splits: a vocabulary of 97, HC maps of 15 rows,
+    the experts' packed gate and up halves of 15."""
+    folders = []
+    for name, backbone in (("dense", tiny_backbone_config("llama", vocab_size=97)),
+                           ("moe", tiny_backbone_config("qwen3_moe", vocab_size=97, moe_intermediate_size=15))):
+        MHCForCausalLM(MHCConfig(backbone_config=backbone, hc_mult=3)).save_pretrained(tmp_path / name)
+        folders.append(str(tmp_path / name))
+    run_distributed(world_size=2)(native_worker.check_planned_parameter_bytes)(folders)
 
 
 def test_mhc_traffic_and_pipeline_boundary_by_hand():
@@ -112,6 +181,7 @@ def test_mhc_traffic_and_pipeline_boundary_by_hand():
     assert plan.mhc_traffic_over_weights_prefill["unfused"] == pytest.approx(
         2 * 34 * 32 * 2 / (plan.layer_weight_bytes / (4 * 16)))
     assert plan.pipeline_boundary_bytes_per_microbatch == 2 * 16 * 4 * 32 * 2  # 2 sequences x 16 tokens x nC x 2 B
+    assert "8.00 KiB per microbatch (2 microbatches) at each stage boundary" in format_plan(plan)
     residual = plan_memory(config, tokens=16, batch=4, dtype="bfloat16", microbatches=2)
     assert residual.pipeline_boundary_bytes_per_microbatch == 2 * 16 * 32 * 2
     assert residual.mhc_traffic_unfused_bytes_per_token_layer == 0 and residual.hc_parameter_bytes == 0
@@ -142,6 +212,7 @@ def test_hf_mhc_plan_prints_a_table_and_writes_json(tmp_path, capsys):
                  "float32", "--json", str(out)]) == 0
     table = capsys.readouterr().out
     assert "mHC leaves the KV cache unchanged" in table and "KV cache, workload" in table
+    assert "pipeline boundary" not in table  # one stage, no boundary
     numbers = json.loads(out.read_text())
     expected = plan_memory(CASES["mistral"], tokens=TOKENS, batch=2, dtype="float32", hc_mult=2)
     assert numbers["kv_cache_bytes"] == expected.kv_cache_bytes
@@ -168,6 +239,18 @@ def test_hf_mhc_plan_turns_bad_input_into_one_line(tmp_path, capsys):
         ([str(folder), "--batch", "3", "--microbatches", "2"], "batch 3 does not split into 2 equal microbatches"),
         ([str(folder), "--tokens", "0"], "tokens must be a positive integer, got 0"),
         ([str(folder), "--pp", "3"], "pp 3 exceeds the 2 layers"),
+        ([str(folder), "--tokens", str(10**19)],
+         "tokens 10000000000000000000 exceeds 9223372036854775807 (2^63 - 1), the largest size of a torch tensor"),
+        ([str(folder), "--batch", str(10**12), "--tokens", str(10**12)],
+         "batch 1000000000000 x 1000000000000 tokens is too large to count the activations: a tensor of the forward "
+         "would exceed 9223372036854775807 bytes, the most a torch tensor holds"),
+        ([str(folder), "--residual-map", "identity"], "residual_map 'identity' applies to an mHC model; give hc_mult "
+                                                      "(hf-mhc plan --hc-mult N) to plan the residual config as one"),
+        ([str(folder), "--tp", "3"], "tp 3 does not divide the 4 attention heads and 2 key/value heads, which the "
+                                     "llama TP plan splits by head (every rank holds the same whole heads)"),
+        ([str(folder), "--fsdp", "102"], "fsdp 102 exceeds the 101 rows of model.embed_tokens.weight, the longest "
+                                         "dimension 0 of pipeline stage 0's parameters: FSDP2 splits every parameter "
+                                         "along dimension 0, so the ranks beyond 101 would hold only padding"),
         ([str(folder), "--json", str(folder)], f"{folder} is a folder, not a file"),
     ):
         assert main(["plan", *argv]) == 1, argv

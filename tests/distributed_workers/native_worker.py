@@ -171,6 +171,27 @@ PLANS = {
 }
 
 
+def held_parameter_bytes(model) -> int:
+    """Bytes of this rank's parameter shards (``DTensor.to_local()``; a tied parameter once)."""
+    return sum((param.to_local() if isinstance(param, DTensor) else param).nbytes for param in model.parameters())
+
+
+def check_planned_parameter_bytes(rank: int, checkpoints: list[str]) -> None:
+    """``hf_mhc.planning.plan_memory``'s parameter bytes per device equal what the rank holding the most holds of each
+    float32 checkpoint, under ``tp_size=2`` and under ``fsdp_size=2``. (Rank 0 holds the longest slice of every
+    parameter, ``torch.chunk``'s; FSDP2 pads the other ranks' to it once it runs, and the plan counts that.)"""
+    from hf_mhc.planning import plan_memory
+
+    for checkpoint in checkpoints:
+        for parallel, layout in (({"tp_size": 2}, {"tp": 2}), ({"fsdp_size": 2}, {"fsdp": 2})):
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, distributed_config=DistributedConfig(**parallel))
+            held = [0, 0]
+            dist.all_gather_object(held, held_parameter_bytes(model))
+            planned = plan_memory(checkpoint, tokens=4, dtype="float32", **layout).parameter_bytes_per_device
+            assert max(held) == planned, (checkpoint, parallel, held, planned)
+            print(f"rank {rank}: {Path(checkpoint).name} {parallel}: ranks hold {held} B, planned {planned} B")
+
+
 def run_plan(rank: int, plan: str, dense: str, moe: str) -> None:
     """Check ``plan`` (a key of ``PLANS``) on this rank of a 2-rank process group."""
     torch.manual_seed(0)
