@@ -26,7 +26,7 @@ saved folder has ``tie_word_embeddings: false``.
 folder exists. --dataset: a Hugging Face Hub dataset id, or local .txt / .json / .jsonl / .csv / .parquet files (a
 path, a glob or a folder). Default: Jane Austen's novels from ../shared/assets/janeausten when present, else Python's
 own help texts (pydoc_data). Texts are tokenised, joined with EOS and cut into --block-size blocks, which every step
-draws from a --seed shuffle (reshuffled after each pass over the data).
+draws from a --seed shuffle (reshuffled after each pass over the data); null and empty texts are skipped.
 
 Output (--output-dir, new or empty unless --overwrite or --resume): rank 0 gathers every stage's state dict (their
 tensors keep the full model's names) and writes an ordinary mHC folder that ``AutoModelForCausalLM.from_pretrained``
@@ -36,9 +36,9 @@ rank's AdamW state), ``scheduler.pt`` and ``rng_state_RANK.pth``: --resume conti
 checkpoint) on the same number of ranks with the same options, and reaches the losses and weights of an
 uninterrupted run. --overwrite first deletes the earlier run's results from --output-dir (as examples/finetune.py).
 
-Bad input (a missing --model, unusable dataset files, --microbatches that do not divide --batch-size or that the
-schedule cannot run, more stages than decoder layers, a non-empty --output-dir, ...) stops every rank with one
-"pipeline_finetune.py: error: ..." line before any process group is started.
+Bad input (a missing --model, unusable dataset files or no text in them, --microbatches that do not divide
+--batch-size or that the schedule cannot run, more stages than decoder layers, a non-empty --output-dir, ...) stops
+every rank with one "pipeline_finetune.py: error: ..." line before any process group is started.
 """
 
 from __future__ import annotations
@@ -56,9 +56,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup, set_seed
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers of finetune.py and fsdp2_finetune.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers of finetune.py, fsdp2_finetune.py, example_utils
 
+import example_utils  # noqa: E402
 import finetune  # noqa: E402  (dataset loading, the --model / --output-dir / --resume checks)
+from example_utils import add_shared_option  # noqa: E402
 from fsdp2_finetune import start_distributed  # noqa: E402
 
 import hf_mhc  # noqa: E402
@@ -79,30 +81,29 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     finetune.add_model_and_data_arguments(parser, block_size=64)
     train = parser.add_argument_group("training")
     train.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
-    train.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    add_shared_option(train, "--steps", default=20)
     train.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
     train.add_argument("--microbatches", type=int, default=2,
                        help="microbatches per step; must divide --batch-size (default 2)")
     train.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate (default 5e-4)")
-    train.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default steps // 10)")
-    train.add_argument("--weight-decay", type=float, default=0.0)
+    add_shared_option(train, "--warmup-steps")
+    add_shared_option(train, "--weight-decay")
     train.add_argument("--max-grad-norm", type=float, default=1.0,
                        help="clip the global gradient norm to this (default 1.0; 0: no clipping)")
-    train.add_argument("--seed", type=int, default=0, help="data order and random number generators (default 0)")
+    add_shared_option(train, "--seed")
     train.add_argument("--output-dir", required=True, help="new or empty folder for the trained model")
     train.add_argument("--overwrite", action="store_true",
                        help="reuse the --output-dir of an earlier run: delete its results first")
     train.add_argument("--save-every", type=int, default=0,
                        help="save a checkpoint every N steps to OUTPUT_DIR/checkpoint-N (default 0: none)")
-    train.add_argument("--resume", nargs="?", const="last", default=None, metavar="CHECKPOINT",
-                       help="continue from the last checkpoint in --output-dir, or from CHECKPOINT")
+    add_shared_option(train, "--resume")
     parser.set_defaults(lora=False)  # finetune.py's checks also serve its LoRA mode
     args = parser.parse_args(argv)
 
     if args.model is None:
-        if not finetune.STORIES260K.is_dir():
+        if not example_utils.STORIES260K.is_dir():
             parser.error("--model is required (the default ../shared/assets/stories260K is not present)")
-        args.model, args.upcycle = str(finetune.STORIES260K), True
+        args.model, args.upcycle = str(example_utils.STORIES260K), True
     for name in ("steps", "batch_size", "microbatches", "block_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -254,7 +255,7 @@ def check_args_before_work(parser: argparse.ArgumentParser, args: argparse.Names
     if args.block_size > positions:
         parser.error(f"--block-size {args.block_size} exceeds the model's {positions} positions")
     texts, corpus = finetune.load_texts(parser, args)
-    blocks = finetune.token_blocks(texts, tokenizer, args.text_column, args.block_size)
+    blocks = example_utils.dataset_token_blocks(texts, tokenizer, args.text_column, args.block_size)
     if len(blocks) < args.batch_size:
         parser.error(f"the dataset ({corpus}) gives {len(blocks)} blocks of {args.block_size} tokens, fewer than "
                      f"--batch-size {args.batch_size}: add text or lower --block-size")

@@ -295,6 +295,7 @@ def test_paths_data_and_integrations_are_checked_before_training(
     (data / "broken.jsonl").write_text('{"text": "a"}\n{"text": \n')
     (data / "numbers.jsonl").write_text('{"text": 1}\n{"text": 2}\n')
     (data / "lists.jsonl").write_text('{"text": ["a", "b"]}\n')
+    (data / "no_text.jsonl").write_text('{"text": ""}\n{"text": null}\n')
     (data / "no_texts").mkdir()
     (data / "no_texts" / "README").write_text("x")
     out = ["--output-dir", str(tmp_path / "out")]
@@ -303,6 +304,7 @@ def test_paths_data_and_integrations_are_checked_before_training(
         "broken.jsonl": "invalid JSON, line 2",
         "numbers.jsonl": "holds Value('int64'), not text",
         "lists.jsonl": "not text",
+        "no_text.jsonl": "no text to train on (every 'text' is empty or null)",
         "nothing*.txt": "no file matches",
         "missing.txt": "no such file or folder",
         "no_texts": "files in this folder",
@@ -376,3 +378,29 @@ def test_a_crash_keeps_the_checkpoints_and_resume_continues_from_the_last(
     with torch.no_grad():
         torch.testing.assert_close(adapter(input_ids=ids).logits, reference(input_ids=ids).logits,
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_empty_texts_are_skipped(example, tiny_llama_dir, tmp_path, datasets_cache):
+    """A thousand empty texts (a whole tokenisation batch of them) before the real ones."""
+    texts = [""] * 1000 + pydoc_text(20_000).split("\n\n")
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    assert example.main(tiny_run(tiny_llama_dir, tmp_path / "texts.jsonl", "--output-dir", str(tmp_path / "out"))) == 0
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"hidden_size": 100, "num_attention_heads": 3},
+         "The hidden size (100) is not a multiple of the number of attention heads (3)."),
+        ({"num_key_value_heads": 3},
+         "its weights do not fit its config.json (model.layers.0.self_attn.k_proj.weight is [16, 32] in the weights, "
+         "[24, 32] by the config; 3 more tensors differ)"),
+    ],
+)
+def test_a_config_transformers_rejects_is_a_one_line_error(example, config, message, tiny_llama_dir, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    config_file = model / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **config}))
+    assert f"cannot load --model {model}: {message}" in usage_error(example, ["--model", str(model), "--upcycle"],
+                                                                    capsys)

@@ -152,6 +152,7 @@ def two_layer_model(tmp_path_factory) -> Path:
     [
         ("missing model", "--model: no such folder: {tmp}/missing"),
         ("empty dataset", "--dataset {tmp}/empty.txt: empty file"),
+        ("no text", "--dataset {tmp}/empty_texts.jsonl: no text to train on (every 'text' is empty or null)"),
         ("microbatches", "--microbatches 3 does not divide --batch-size 4"),
         ("output dir", "--output-dir {tmp}/full is not empty: pass --overwrite"),
         ("stages", "--schedule dualpipev on 2 ranks makes 4 stages, but the model has 2 decoder layers"),
@@ -162,6 +163,7 @@ def test_bad_input_is_a_one_line_error_before_any_process_group(case, message, t
                                                                  monkeypatch, capsys):
     (tmp_path / "texts.txt").write_text("Some text to train on.\n\nAnother paragraph.\n" * 20)
     (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "empty_texts.jsonl").write_text('{"text": ""}\n' * 3)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("kept")
     argv = {"--model": str(two_layer_model), "--dataset": str(tmp_path / "texts.txt"), "--batch-size": "4",
@@ -170,6 +172,8 @@ def test_bad_input_is_a_one_line_error_before_any_process_group(case, message, t
         argv["--model"] = str(tmp_path / "missing")
     elif case == "empty dataset":
         argv["--dataset"] = str(tmp_path / "empty.txt")
+    elif case == "no text":
+        argv["--dataset"] = str(tmp_path / "empty_texts.jsonl")
     elif case == "microbatches":
         argv["--microbatches"] = "3"
     elif case == "output dir":
@@ -184,3 +188,18 @@ def test_bad_input_is_a_one_line_error_before_any_process_group(case, message, t
     assert error.startswith("pipeline_finetune.py: error: ") and message.format(tmp=tmp_path) in error, error
     assert not dist.is_initialized()
     assert (tmp_path / "full" / "notes.txt").read_text() == "kept" and not (tmp_path / "out").exists()
+
+
+# --- data -------------------------------------------------------------------------------------------------------------
+
+
+def test_empty_texts_are_skipped(two_layer_model, tmp_path):
+    """A thousand empty texts (a whole tokenisation batch of them) before the real ones."""
+    texts = [{"text": ""}] * 1000 + [{"text": paragraph} for paragraph in "Some text.\n\nMore text here.".split("\n")]
+    from pydoc_data.topics import topics
+
+    texts += [{"text": topics[key]} for key in sorted(topics)[:2]]
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps(text) + "\n" for text in texts))
+    argv = ["--model", str(two_layer_model), "--dataset", str(tmp_path / "texts.jsonl"), "--steps", "1",
+            "--batch-size", "2", "--block-size", "16", "--output-dir", str(tmp_path / "out")]
+    assert example().main(argv) == 0
