@@ -1,5 +1,5 @@
-"""What the example scripts share: the default assets, the options they have in common, their text data and model
-loading.
+"""What the example scripts share: the default assets, the options they have in common, their text data, model
+loading and checkpoint folders.
 
 The scripts import it as a sibling module: ``python examples/X.py``, ``torchrun`` and ``accelerate launch`` put
 ``examples/`` first on ``sys.path``, and each script adds it too for when it is imported by path (as the tests do).
@@ -8,14 +8,20 @@ The scripts import it as a sibling module: ``python examples/X.py``, ``torchrun`
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
+import shutil
 import sys
+import tempfile
+import zipfile
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
 
 from huggingface_hub.errors import StrictDataclassError
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_mhc
@@ -54,7 +60,7 @@ SHARED_OPTIONS: dict[str, dict] = {
     "--warmup-steps": dict(type=int, default=None, help="linear warm-up steps (default steps // 10)"),
     "--weight-decay": dict(type=float, default=0.0, help="AdamW weight decay (default 0)"),
     "--resume": dict(nargs="?", const="last", default=None, metavar="CHECKPOINT",
-                     help="continue from the last checkpoint in --output-dir, or from CHECKPOINT"),
+                     help="continue from the newest complete checkpoint in --output-dir, or from CHECKPOINT"),
 }
 
 
@@ -176,3 +182,116 @@ def load_causal_lm(parser: argparse.ArgumentParser, name: str, option: str = "--
         parser.error(f"cannot load {option} {name}: its weights do not fit its config.json ({key} is "
                      f"{list(saved_shape)} in the weights, {list(config_shape)} by the config{more})")
     return model
+
+
+# --- checkpoints -------------------------------------------------------------------------------------------------
+
+CHECKPOINT_PREFIX = "checkpoint-"  # transformers' PREFIX_CHECKPOINT_DIR, and pipeline_finetune.py's
+STATE_FILE = "trainer_state.json"  # written last: a checkpoint is complete once it holds it in full
+PARTIAL_SUFFIX = ".partial-"  # .checkpoint-STEP.partial-XXXX: a save in progress (or killed) before its rename
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The STEP of a ``checkpoint-STEP`` folder, else None."""
+    step = path.name.removeprefix(CHECKPOINT_PREFIX)
+    if path.name.startswith(CHECKPOINT_PREFIX) and step.isdigit() and path.is_dir() and not path.is_symlink():
+        return int(step)
+    return None
+
+
+def checkpoint_folders(folder: Path) -> list[Path]:
+    """The ``checkpoint-STEP`` folders in ``folder``, newest (highest STEP) first."""
+    found = [entry for entry in folder.iterdir() if checkpoint_step(entry) is not None] if folder.is_dir() else []
+    return sorted(found, key=checkpoint_step, reverse=True)
+
+
+def file_error(path: Path) -> str | None:
+    """Why the checkpoint file ``path`` cannot be read, as ``"NAME is ..."``; None when it can. JSON is parsed,
+    safetensors headers are checked against the file size, torch files (zip archives) must have their directory,
+    which a file cut short has lost."""
+    if not path.exists():
+        return f"{path.name} is missing"
+    try:
+        if path.suffix == ".json":
+            json.loads(path.read_text(encoding="utf-8"))
+        elif path.suffix == ".safetensors":
+            with safe_open(path, framework="pt"):
+                pass
+        elif path.suffix in (".pt", ".pth", ".bin"):
+            zipfile.ZipFile(path).close()
+    except json.JSONDecodeError as error:
+        return f"{path.name} is not valid JSON (line {error.lineno}: {error.msg})"
+    except UnicodeDecodeError:
+        return f"{path.name} is not UTF-8 text"
+    except SafetensorError as error:
+        return f"{path.name} is damaged or cut short ({first_line(error)})"
+    except zipfile.BadZipFile:
+        return f"{path.name} is damaged or cut short (not a complete torch archive)"
+    except OSError as error:
+        return f"{path.name} cannot be read ({first_line(error)})"
+    return None
+
+
+def incomplete_reason(checkpoint: Path) -> str | None:
+    """Why ``checkpoint`` is not a complete save: its :data:`STATE_FILE` (written last) is missing or cut short."""
+    return file_error(checkpoint / STATE_FILE)
+
+
+def checkpoint_to_resume(parser: argparse.ArgumentParser, resume: str, out: Path) -> tuple[Path, dict, str]:
+    """The checkpoint ``--resume`` names: CHECKPOINT (``resume``), which must be complete, or for ``"last"`` the
+    newest complete ``checkpoint-STEP`` in ``out``. Returns it, its parsed :data:`STATE_FILE` and a note (``"; ..."``,
+    empty when there is nothing to say) naming what was left alone: newer incomplete checkpoints and interrupted
+    saves. Nothing is deleted."""
+    if resume != "last":
+        checkpoint = Path(resume).expanduser()
+        if not checkpoint.is_dir():
+            parser.error(f"--resume {resume}: no such checkpoint folder")
+        reason = incomplete_reason(checkpoint)
+        if reason is not None:
+            parser.error(f"--resume {resume}: incomplete checkpoint ({reason}), not one to continue from")
+        return checkpoint, json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8")), ""
+    skipped = []
+    for checkpoint in checkpoint_folders(out):
+        reason = incomplete_reason(checkpoint)
+        if reason is None:
+            interrupted = sorted(entry.name for entry in out.glob(f".{CHECKPOINT_PREFIX}*{PARTIAL_SUFFIX}*")
+                                 if entry.is_dir())
+            left = [*skipped, *(f"{name} (an interrupted save)" for name in interrupted)]
+            note = f"; skipped: {', '.join(left)}" if left else ""
+            return checkpoint, json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8")), note
+        skipped.append(f"{checkpoint.name} (incomplete: {reason})")
+    if skipped:
+        parser.error(f"--resume: no complete checkpoint in --output-dir {out}: {', '.join(skipped)}")
+    parser.error(f"--resume: no checkpoint-* in --output-dir {out} to continue from")
+
+
+def first_file_error(paths: Iterable[Path]) -> str | None:
+    """:func:`file_error` of the first of ``paths`` that cannot be read, else None."""
+    return next((error for error in map(file_error, paths) if error is not None), None)
+
+
+def damaged_file(folder: Path) -> str | None:
+    """:func:`file_error` of the first JSON, safetensors or torch file directly in ``folder`` that cannot be read."""
+    suffixes = (".json", ".safetensors", ".pt", ".pth", ".bin")
+    return first_file_error(path for path in sorted(folder.iterdir()) if path.is_file() and path.suffix in suffixes)
+
+
+@contextmanager
+def atomic_folder(folder: Path) -> Iterator[Path]:
+    """Write a new ``folder`` all at once: the block writes into a hidden folder beside it (``.NAME.partial-*``),
+    renamed to ``folder`` when the block completes, so that an interrupted save never leaves a ``folder`` that looks
+    complete. Raises ``FileExistsError`` when ``folder`` exists. A block that raises takes its hidden folder with it;
+    a killed process leaves it, and :func:`checkpoint_to_resume` names it."""
+    if folder.exists():
+        raise FileExistsError(f"{folder} exists")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    temporary = Path(tempfile.mkdtemp(prefix=f".{folder.name}{PARTIAL_SUFFIX}", dir=folder.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    temporary.chmod(0o777 & ~umask)  # as a folder made by mkdir, not mkdtemp's private 0o700
+    try:
+        yield temporary
+        temporary.rename(folder)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise

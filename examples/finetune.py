@@ -22,7 +22,10 @@ Output (--output-dir, which must be new or empty): the fine-tuned model and toke
 (it carries the HC maps, trained in full; load it with peft.AutoPeftModelForCausalLM), plus upcycled_base/ when the
 base was upcycled here (the adapter names it as its base) and merged/ with --merge-lora. Every --save-steps steps a
 Trainer checkpoint goes to OUTPUT_DIR/checkpoint-STEP (the last --save-total-limit are kept): after a crash, run the
-same command with --resume to continue from the last one.
+same command with --resume to continue from the newest complete one. Trainer writes trainer_state.json last, so a
+checkpoint without it (or with it cut short) is an interrupted save: --resume skips it, says so and leaves it (the
+resumed run saves that step again), and refuses a checkpoint it names that is incomplete, damaged (a file cut short)
+or not a Trainer's, in one line.
 
 --overwrite reuses the folder of an earlier run: before training it deletes that run's model, adapter and tokenizer
 files (with the mHC code files saved beside a model), its PEFT model card, merged/, upcycled_base/ and checkpoint-*/
@@ -49,11 +52,11 @@ from transformers import (
     AutoConfig,
     AutoTokenizer,
     Trainer,
+    TrainerState,
     TrainingArguments,
     default_data_collator,
     set_seed,
 )
-from transformers.trainer_utils import get_last_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # example_utils, also when this file is imported by path
 
@@ -61,6 +64,9 @@ from example_utils import (  # noqa: E402
     JANEAUSTEN,
     STORIES260K,
     add_shared_option,
+    checkpoint_step,
+    checkpoint_to_resume,
+    damaged_file,
     dataset_token_blocks,
     has_text,
     hc_mult_or_default,
@@ -95,6 +101,15 @@ OUTPUT_FILE_PATTERNS = (
     "trainer_state.json", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth",
 )
 OUTPUT_SUBFOLDERS = ("merged", "upcycled_base")  # and checkpoint-STEP
+# What Trainer._save_checkpoint writes before trainer_state.json, each part under one of these names (full or LoRA
+# weights, FSDP's sharded folders).
+TRAINER_CHECKPOINT_PARTS = {
+    "model weights": ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                      "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin",
+                      "pytorch_model_fsdp_0"),
+    "optimizer state": ("optimizer.pt", "optimizer.bin", "optimizer_0"),
+    "scheduler state": ("scheduler.pt",),
+}
 
 
 def mhc_code_files() -> set[str]:
@@ -234,11 +249,6 @@ def check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Pa
     return out
 
 
-def is_checkpoint_folder(path: Path) -> bool:
-    return path.is_dir() and not path.is_symlink() and path.name.startswith("checkpoint-") and (
-        path.name.removeprefix("checkpoint-").isdigit())
-
-
 def is_peft_model_card(path: Path) -> bool:
     """The README.md that PEFT writes beside an adapter (front matter with ``library_name: peft``)."""
     try:
@@ -258,7 +268,7 @@ def looks_like_earlier_output(folder: Path) -> bool:
 
     return ((folder / "training_args.bin").is_file() or json_has("config.json", "model_type")
             or json_has("adapter_config.json", "peft_type")
-            or any(is_checkpoint_folder(entry) and (entry / "trainer_state.json").is_file()
+            or any(checkpoint_step(entry) is not None and (entry / "trainer_state.json").is_file()
                    for entry in folder.iterdir()))
 
 
@@ -277,7 +287,7 @@ def clear_earlier_output(folder: Path, *, checkpoints: bool, subfolders: tuple[s
         for entry in sorted(directory.iterdir()):
             name = prefix + entry.name
             if entry.is_dir() and not entry.is_symlink():
-                if prefix or not (entry.name in subfolders or (checkpoints and is_checkpoint_folder(entry))):
+                if prefix or not (entry.name in subfolders or (checkpoints and checkpoint_step(entry) is not None)):
                     kept.append(name + "/")
                     everything = False
                     continue
@@ -300,24 +310,28 @@ def clear_earlier_output(folder: Path, *, checkpoints: bool, subfolders: tuple[s
     return removed, kept
 
 
-def resume_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace, out: Path) -> str | None:
-    """The Trainer checkpoint --resume names (``None`` without --resume), checked to fit this run."""
+def resume_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace, out: Path
+                      ) -> tuple[str, str] | None:
+    """The complete Trainer checkpoint --resume names (``None`` without --resume), checked to be whole and to fit
+    this run, and a note on the incomplete ones skipped (:func:`example_utils.checkpoint_to_resume`)."""
     if args.resume is None:
         return None
-    if args.resume == "last":
-        last = get_last_checkpoint(str(out)) if out.is_dir() else None
-        if last is None:
-            parser.error(f"--resume: no checkpoint-* in --output-dir {args.output_dir} to continue from")
-        checkpoint = Path(last)
-    else:
-        checkpoint = Path(args.resume).expanduser()
-        if not (checkpoint / "trainer_state.json").is_file():
-            parser.error(f"--resume {args.resume}: not a Trainer checkpoint folder (no trainer_state.json)")
+    checkpoint, state, skipped = checkpoint_to_resume(parser, args.resume, out)
+    try:
+        TrainerState(**state)  # as Trainer reads it
+    except TypeError as error:
+        parser.error(f"--resume {checkpoint}: trainer_state.json is not a Trainer state ({first_line(error)})")
+    for part, names in TRAINER_CHECKPOINT_PARTS.items():
+        if not any((checkpoint / name).exists() for name in names):
+            parser.error(f"--resume {checkpoint}: no {part} ({names[0]}) in it: not a whole Trainer checkpoint")
+    damaged = damaged_file(checkpoint)
+    if damaged is not None:
+        parser.error(f"--resume {checkpoint}: {damaged}")
     is_adapter = (checkpoint / "adapter_config.json").is_file()
     if is_adapter != args.lora:
         parser.error(f"--resume {checkpoint} holds {'a LoRA adapter' if is_adapter else 'a full model'}: "
                      f"{'add' if is_adapter else 'drop'} --lora")
-    return str(checkpoint)
+    return str(checkpoint), skipped
 
 
 def check_resume_fits(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoint: str,
@@ -476,7 +490,7 @@ def load_texts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
 def main(argv: list[str] | None = None) -> int:
     parser, args = parse_args(argv)
     out = check_paths(parser, args)
-    checkpoint = resume_checkpoint(parser, args, out)
+    checkpoint, skipped = resume_checkpoint(parser, args, out) or (None, "")
     check_report_to(parser, args.report_to)
     model = load_model(parser, args)
     if checkpoint is not None:
@@ -566,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data: {corpus}: {len(train_set)} training blocks of {args.block_size} tokens"
               f"{f', {len(eval_set)} held out' if eval_set is not None else ''}")
         if checkpoint is not None:
-            print(f"resuming from {checkpoint}")
+            print(f"resuming from {checkpoint}{skipped}")
     eval_before = trainer.evaluate()["eval_loss"] if eval_set is not None else None
     trainer.train(resume_from_checkpoint=checkpoint)
     eval_after = trainer.evaluate()["eval_loss"] if eval_set is not None else None

@@ -5,6 +5,7 @@ test_distributed.py and test_entry_points.py."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,19 @@ def test_quickstart_allows_the_float32_rounding_of_large_logits(quickstart, byte
     tolerance = float(line.split("(tolerance ")[1].split(")")[0])
     assert 1e-4 < difference < tolerance / 10, line
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_the_shared_checkpoint_save_is_all_or_nothing(example_utils, tmp_path):
+    folder = tmp_path / "checkpoint-1"
+    with pytest.raises(OSError, match="disk full"), example_utils.atomic_folder(folder) as partial:
+        (partial / "model.safetensors").write_bytes(b"x")
+        raise OSError("disk full")
+    assert list(tmp_path.iterdir()) == []
+    with example_utils.atomic_folder(folder) as partial:
+        assert partial.parent == tmp_path and partial.name.startswith(".checkpoint-1.partial-")
+        (partial / "trainer_state.json").write_text("{}")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint-1"]
+    assert (folder / "trainer_state.json").read_text() == "{}"
+    with pytest.raises(FileExistsError), example_utils.atomic_folder(folder):
+        pass
+    shutil.rmtree(folder)
