@@ -10,7 +10,7 @@
 converted on the fly (function-preserving, so training starts from the source model's exact behaviour). Default:
 ../shared/assets/stories260K (a real pretrained Llama, upcycled) when that folder exists.
 --dataset: a Hugging Face Hub dataset id, or local .txt / .json / .jsonl / .csv / .parquet files (a path, a glob or
-a folder of them; null and empty texts are skipped).
+a folder of them; null and empty texts are skipped, and a dataset with no text at all is refused).
 Default: Jane Austen's novels from ../shared/assets/janeausten/*.txt when present, else Python's own help texts
 (pydoc_data). Texts are tokenised, joined with EOS and cut into --block-size token blocks.
 
@@ -22,7 +22,10 @@ Output (--output-dir, which must be new or empty): the fine-tuned model and toke
 (it carries the HC maps, trained in full; load it with peft.AutoPeftModelForCausalLM), plus upcycled_base/ when the
 base was upcycled here (the adapter names it as its base) and merged/ with --merge-lora. Every --save-steps steps a
 Trainer checkpoint goes to OUTPUT_DIR/checkpoint-STEP (the last --save-total-limit are kept): after a crash, run the
-same command with --resume to continue from the last one.
+same command with --resume to continue from the newest complete one. Trainer writes trainer_state.json last, so a
+checkpoint without it (or with it cut short) is an interrupted save: --resume skips it, says so and leaves it (the
+resumed run saves that step again), and refuses a checkpoint it names that is incomplete, damaged (a file cut short)
+or not a Trainer's, in one line.
 
 --overwrite reuses the folder of an earlier run: before training it deletes that run's model, adapter and tokenizer
 files (with the mHC code files saved beside a model), its PEFT model card, merged/, upcycled_base/ and checkpoint-*/
@@ -39,32 +42,44 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import os
 import sys
-from itertools import chain
 from pathlib import Path
 
 import torch
 from datasets import Dataset, Value, load_dataset
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
     AutoTokenizer,
     Trainer,
+    TrainerState,
     TrainingArguments,
     default_data_collator,
     set_seed,
 )
-from transformers.trainer_utils import get_last_checkpoint
 
-import hf_mhc
-from hf_mhc.cli import first_line, folder_error, looks_like_local_path, output_path_error
-from hf_mhc.diagnostics import MHCStabilityCallback
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # example_utils, also when this file is imported by path
 
-ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
-STORIES260K = ASSETS / "stories260K"
-JANEAUSTEN = ASSETS / "janeausten"
+from example_utils import (  # noqa: E402
+    JANEAUSTEN,
+    STORIES260K,
+    add_shared_option,
+    checkpoint_step,
+    checkpoint_to_resume,
+    damaged_file,
+    dataset_token_blocks,
+    has_text,
+    hc_mult_or_default,
+    innermost_message,
+    load_causal_lm,
+    load_config,
+    perplexity,
+    pydoc_paragraphs,
+)
+
+import hf_mhc  # noqa: E402
+from hf_mhc.cli import first_line, folder_error, looks_like_local_path, output_path_error  # noqa: E402
+from hf_mhc.diagnostics import MHCStabilityCallback  # noqa: E402
 
 # transformers renamed TrainingArguments.gradient_checkpointing to activation_checkpointing during 5.x
 CHECKPOINTING_FIELD = next(
@@ -86,6 +101,15 @@ OUTPUT_FILE_PATTERNS = (
     "trainer_state.json", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state*.pth",
 )
 OUTPUT_SUBFOLDERS = ("merged", "upcycled_base")  # and checkpoint-STEP
+# What Trainer._save_checkpoint writes before trainer_state.json, each part under one of these names (full or LoRA
+# weights, FSDP's sharded folders).
+TRAINER_CHECKPOINT_PARTS = {
+    "model weights": ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                      "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin",
+                      "pytorch_model_fsdp_0"),
+    "optimizer state": ("optimizer.pt", "optimizer.bin", "optimizer_0"),
+    "scheduler state": ("scheduler.pt",),
+}
 
 
 def mhc_code_files() -> set[str]:
@@ -105,14 +129,13 @@ def add_model_and_data_arguments(parser: argparse.ArgumentParser, block_size: in
     model.add_argument("--model", help="mHC checkpoint (or residual one with --upcycle): folder or Hub id")
     model.add_argument("--tokenizer", help="tokenizer folder or Hub id (default: --model)")
     model.add_argument("--upcycle", action="store_true", help="convert a residual checkpoint to mHC on the fly")
-    model.add_argument("--hc-mult", type=int, default=None, help="streams n for --upcycle (default 4)")
+    add_shared_option(model, "--hc-mult")
     data = parser.add_argument_group("data")
     data.add_argument("--dataset", help="Hub dataset id or local files / glob (default: see above)")
     data.add_argument("--dataset-config", help="Hub dataset configuration name")
     data.add_argument("--split", default="train", help="Hub dataset split (default train)")
     data.add_argument("--text-column", default="text", help="column holding the text (default text)")
-    data.add_argument("--block-size", type=int, default=block_size,
-                      help=f"tokens per training sequence (default {block_size})")
+    add_shared_option(data, "--block-size", default=block_size)
     return model, data
 
 
@@ -122,15 +145,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     data.add_argument("--max-train-blocks", type=int, default=None, help="use at most this many training blocks")
     data.add_argument("--eval-blocks", type=int, default=32, help="held-out blocks for the eval loss (0: none)")
     train = parser.add_argument_group("training")
-    train.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
+    add_shared_option(train, "--steps", default=100)
     train.add_argument("--batch-size", type=int, default=8, help="sequences per device per step (default 8)")
     train.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
     train.add_argument("--lr", type=float, default=None, help="peak learning rate (default 5e-4, 2e-3 with --lora)")
-    train.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default steps // 10)")
-    train.add_argument("--weight-decay", type=float, default=0.0)
+    add_shared_option(train, "--warmup-steps")
+    add_shared_option(train, "--weight-decay")
     train.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast, float32 master weights)")
     train.add_argument("--gradient-checkpointing", action="store_true")
-    train.add_argument("--seed", type=int, default=0)
+    add_shared_option(train, "--seed")
     train.add_argument("--output-dir", default="outputs/finetune",
                        help="new or empty folder for the model or adapter (default outputs/finetune)")
     train.add_argument("--overwrite", action="store_true",
@@ -138,8 +161,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     train.add_argument("--save-steps", type=int, default=50,
                        help="save a Trainer checkpoint every N steps to OUTPUT_DIR/checkpoint-N (default 50; 0: none)")
     train.add_argument("--save-total-limit", type=int, default=2, help="checkpoints to keep (default 2)")
-    train.add_argument("--resume", nargs="?", const="last", default=None, metavar="CHECKPOINT",
-                       help="continue from the last checkpoint in --output-dir, or from CHECKPOINT")
+    add_shared_option(train, "--resume")
     train.add_argument("--logging-steps", type=int, default=10, help="log the loss every N steps (default 10)")
     train.add_argument("--report-to", default="none", help="Trainer integrations: none, tensorboard, wandb, ...")
     lora = parser.add_argument_group("LoRA (hf_mhc.peft.mhc_lora_config: backbone projections + full HC maps)")
@@ -227,11 +249,6 @@ def check_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Pa
     return out
 
 
-def is_checkpoint_folder(path: Path) -> bool:
-    return path.is_dir() and not path.is_symlink() and path.name.startswith("checkpoint-") and (
-        path.name.removeprefix("checkpoint-").isdigit())
-
-
 def is_peft_model_card(path: Path) -> bool:
     """The README.md that PEFT writes beside an adapter (front matter with ``library_name: peft``)."""
     try:
@@ -251,7 +268,7 @@ def looks_like_earlier_output(folder: Path) -> bool:
 
     return ((folder / "training_args.bin").is_file() or json_has("config.json", "model_type")
             or json_has("adapter_config.json", "peft_type")
-            or any(is_checkpoint_folder(entry) and (entry / "trainer_state.json").is_file()
+            or any(checkpoint_step(entry) is not None and (entry / "trainer_state.json").is_file()
                    for entry in folder.iterdir()))
 
 
@@ -270,7 +287,7 @@ def clear_earlier_output(folder: Path, *, checkpoints: bool, subfolders: tuple[s
         for entry in sorted(directory.iterdir()):
             name = prefix + entry.name
             if entry.is_dir() and not entry.is_symlink():
-                if prefix or not (entry.name in subfolders or (checkpoints and is_checkpoint_folder(entry))):
+                if prefix or not (entry.name in subfolders or (checkpoints and checkpoint_step(entry) is not None)):
                     kept.append(name + "/")
                     everything = False
                     continue
@@ -293,24 +310,28 @@ def clear_earlier_output(folder: Path, *, checkpoints: bool, subfolders: tuple[s
     return removed, kept
 
 
-def resume_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace, out: Path) -> str | None:
-    """The Trainer checkpoint --resume names (``None`` without --resume), checked to fit this run."""
+def resume_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace, out: Path
+                      ) -> tuple[str, str] | None:
+    """The complete Trainer checkpoint --resume names (``None`` without --resume), checked to be whole and to fit
+    this run, and a note on the incomplete ones skipped (:func:`example_utils.checkpoint_to_resume`)."""
     if args.resume is None:
         return None
-    if args.resume == "last":
-        last = get_last_checkpoint(str(out)) if out.is_dir() else None
-        if last is None:
-            parser.error(f"--resume: no checkpoint-* in --output-dir {args.output_dir} to continue from")
-        checkpoint = Path(last)
-    else:
-        checkpoint = Path(args.resume).expanduser()
-        if not (checkpoint / "trainer_state.json").is_file():
-            parser.error(f"--resume {args.resume}: not a Trainer checkpoint folder (no trainer_state.json)")
+    checkpoint, state, skipped = checkpoint_to_resume(parser, args.resume, out)
+    try:
+        TrainerState(**state)  # as Trainer reads it
+    except TypeError as error:
+        parser.error(f"--resume {checkpoint}: trainer_state.json is not a Trainer state ({first_line(error)})")
+    for part, names in TRAINER_CHECKPOINT_PARTS.items():
+        if not any((checkpoint / name).exists() for name in names):
+            parser.error(f"--resume {checkpoint}: no {part} ({names[0]}) in it: not a whole Trainer checkpoint")
+    damaged = damaged_file(checkpoint)
+    if damaged is not None:
+        parser.error(f"--resume {checkpoint}: {damaged}")
     is_adapter = (checkpoint / "adapter_config.json").is_file()
     if is_adapter != args.lora:
         parser.error(f"--resume {checkpoint} holds {'a LoRA adapter' if is_adapter else 'a full model'}: "
                      f"{'add' if is_adapter else 'drop'} --lora")
-    return str(checkpoint)
+    return str(checkpoint), skipped
 
 
 def check_resume_fits(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoint: str,
@@ -356,22 +377,19 @@ def check_report_to(parser: argparse.ArgumentParser, names: list[str]) -> None:
 
 def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> hf_mhc.MHCForCausalLM:
     """The mHC model to train: loaded, or upcycled from a residual checkpoint with --upcycle (float32 weights)."""
-    try:
-        model_type = AutoConfig.from_pretrained(args.model).model_type
-    except (OSError, ValueError) as exc:
-        parser.error(f"cannot load --model {args.model}: {first_line(exc)}")
+    model_type = load_config(parser, args.model).model_type
     if model_type == "mhc":
         if args.upcycle:
             parser.error(f"{args.model} is already an mHC checkpoint: drop --upcycle")
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        model = load_causal_lm(parser, args.model, dtype=torch.float32)
     else:
         if not args.upcycle:
             parser.error(f"{args.model} is a residual {model_type!r} model: add --upcycle to convert it to mHC")
         if model_type not in hf_mhc.SUPPORTED_BACKBONES:
             parser.error(f"cannot upcycle a {model_type!r} model; supported: {', '.join(hf_mhc.SUPPORTED_BACKBONES)}")
-        source = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        source = load_causal_lm(parser, args.model, dtype=torch.float32)
         try:
-            model = hf_mhc.upcycle(source, hc_mult=4 if args.hc_mult is None else args.hc_mult)
+            model = hf_mhc.upcycle(source, hc_mult=hc_mult_or_default(args.hc_mult))
         except ValueError as exc:
             parser.error(f"cannot upcycle {args.model}: {first_line(exc)}")
     if getattr(model, "_hf_peft_config_loaded", False):  # transformers applied an adapter it found with the model
@@ -381,10 +399,7 @@ def load_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> hf_
 
 def pydoc_texts() -> Dataset:
     """Python's own help texts (about 450 kB in every CPython), one row per paragraph."""
-    from pydoc_data.topics import topics
-
-    paragraphs = (paragraph.strip() for key in sorted(topics) for paragraph in topics[key].split("\n\n"))
-    return Dataset.from_dict({"text": [paragraph for paragraph in paragraphs if paragraph]})
+    return Dataset.from_dict({"text": list(pydoc_paragraphs())})
 
 
 def json_error(path: str) -> str | None:
@@ -406,13 +421,6 @@ def json_error(path: str) -> str | None:
             except json.JSONDecodeError as error:
                 return f"line {number}: {error.msg}"
     return None
-
-
-def innermost_message(error: BaseException) -> str:
-    """The first line of the innermost cause of ``error`` (datasets wraps the parser's own message)."""
-    while (error.__cause__ or error.__context__) is not None:
-        error = error.__cause__ or error.__context__
-    return first_line(error)
 
 
 def local_dataset_files(parser: argparse.ArgumentParser, spec: str) -> list[str] | None:
@@ -474,33 +482,15 @@ def load_texts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
                      "column of strings")
     if len(dataset) == 0:
         parser.error(f"--dataset {spec}: no texts")
+    if not has_text(dataset, args.text_column):
+        parser.error(f"--dataset {spec}: no text to train on (every {args.text_column!r} is empty or null)")
     return dataset, description
-
-
-def token_blocks(texts: Dataset, tokenizer, text_column: str, block_size: int) -> Dataset:
-    """Tokenise every text, append EOS, join them and cut ``block_size`` blocks: rows of input_ids and labels.
-
-    Missing (null) and empty texts are skipped."""
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-
-    def tokenize(batch: dict) -> dict:
-        ids = tokenizer([text for text in batch[text_column] if text], add_special_tokens=False)["input_ids"]
-        return {"input_ids": [text_ids + eos for text_ids in ids]}
-
-    def group(batch: dict) -> dict:
-        joined = list(chain.from_iterable(batch["input_ids"]))
-        usable = len(joined) // block_size * block_size
-        blocks = [joined[start : start + block_size] for start in range(0, usable, block_size)]
-        return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
-
-    tokenized = texts.map(tokenize, batched=True, remove_columns=texts.column_names, desc="tokenise")
-    return tokenized.map(group, batched=True, batch_size=1000, desc=f"blocks of {block_size}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser, args = parse_args(argv)
     out = check_paths(parser, args)
-    checkpoint = resume_checkpoint(parser, args, out)
+    checkpoint, skipped = resume_checkpoint(parser, args, out) or (None, "")
     check_report_to(parser, args.report_to)
     model = load_model(parser, args)
     if checkpoint is not None:
@@ -535,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     texts, corpus = load_texts(parser, args)
     with training_args.main_process_first(desc="tokenise"):
-        blocks = token_blocks(texts, tokenizer, args.text_column, args.block_size)
+        blocks = dataset_token_blocks(texts, tokenizer, args.text_column, args.block_size)
     if len(blocks) <= args.eval_blocks:
         parser.error(f"the dataset gives only {len(blocks)} blocks of {args.block_size} tokens; need more than "
                      f"--eval-blocks {args.eval_blocks}")
@@ -590,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data: {corpus}: {len(train_set)} training blocks of {args.block_size} tokens"
               f"{f', {len(eval_set)} held out' if eval_set is not None else ''}")
         if checkpoint is not None:
-            print(f"resuming from {checkpoint}")
+            print(f"resuming from {checkpoint}{skipped}")
     eval_before = trainer.evaluate()["eval_loss"] if eval_set is not None else None
     trainer.train(resume_from_checkpoint=checkpoint)
     eval_after = trainer.evaluate()["eval_loss"] if eval_set is not None else None
@@ -609,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     if main_process:
         if eval_before is not None:
             print(f"held-out loss {eval_before:.4f} -> {eval_after:.4f} "
-                  f"(perplexity {math.exp(eval_before):.2f} -> {math.exp(eval_after):.2f})")
+                  f"(perplexity {perplexity(eval_before):.2f} -> {perplexity(eval_after):.2f})")
         if stability is not None:
             scalars = stability.last_scalars
             print(f"mHC stability at the end: composite forward gain {scalars['mhc/composite_forward_gain']:.6f}, "

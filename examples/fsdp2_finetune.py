@@ -9,8 +9,8 @@ reduce gradients in float32, while the hyper-connection maps stay float32 units 
 
 --model: an mHC folder (``hf-mhc convert`` makes one). Default: ../shared/assets/stories260K (a real pretrained
 Llama) upcycled to 4 streams when that folder exists, else a tiny random Llama with a byte-level tokenizer, upcycled.
---dataset: local .txt files (a path or a glob), one training text per paragraph. Default: Jane Austen's novels from
-../shared/assets/janeausten when present, else Python's own help texts (pydoc_data).
+--dataset: local .txt files (a path or a glob), one training text per paragraph (empty ones are skipped). Default:
+Jane Austen's novels from ../shared/assets/janeausten when present, else Python's own help texts (pydoc_data).
 
 Output (--output-dir, which must be empty or new unless --overwrite): rank 0 gathers the full state dict and writes
 an ordinary mHC folder (config, safetensors, tokenizer, the mHC remote-code files) that
@@ -29,13 +29,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import hf_mhc
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # example_utils, also when this file is imported by path
 
-ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
-STORIES260K = ASSETS / "stories260K"
-JANEAUSTEN = ASSETS / "janeausten"
+import example_utils  # noqa: E402
+from example_utils import JANEAUSTEN, STORIES260K, add_shared_option  # noqa: E402
+
+import hf_mhc  # noqa: E402
 
 
 def parse_args(
@@ -50,11 +51,11 @@ def parse_args(
         extra_options(parser)
     parser.add_argument("--model", help="an mHC folder (default: see above)")
     parser.add_argument("--dataset", help="local .txt files, a path or a glob (default: see above)")
-    parser.add_argument("--steps", type=int, default=20, help="AdamW steps (default 20)")
+    add_shared_option(parser, "--steps", default=20)
     parser.add_argument("--batch-size", type=int, default=4, help=batch_help)
-    parser.add_argument("--block-size", type=int, default=64, help="tokens per training sequence (default 64)")
+    add_shared_option(parser, "--block-size", default=64)
     parser.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (default 5e-4)")
-    parser.add_argument("--seed", type=int, default=0)
+    add_shared_option(parser, "--seed")
     parser.add_argument("--output-dir", required=True, help="where rank 0 saves the trained mHC folder")
     parser.add_argument("--overwrite", action="store_true", help="save into a non-empty --output-dir")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 compute for the backbone, float32 HC maps")
@@ -72,10 +73,7 @@ def parse_args(
     if args.model is not None:
         if not Path(args.model).is_dir():
             parser.error(f"--model {args.model}: no such folder")
-        try:
-            model_type = AutoConfig.from_pretrained(args.model).model_type
-        except (OSError, ValueError) as exc:
-            parser.error(f"--model {args.model}: {str(exc).strip().splitlines()[0]}")
+        model_type = example_utils.load_config(parser, args.model).model_type
         if model_type != "mhc":
             parser.error(f"--model {args.model} is a {model_type!r} model, not mHC: convert it with "
                          "`hf-mhc convert SRC OUT` first")
@@ -142,27 +140,19 @@ def load_model(args: argparse.Namespace) -> tuple[hf_mhc.MHCForCausalLM, object,
 def paragraphs(spec: str | None) -> Iterator[str]:
     """Non-empty paragraphs of the ``--dataset`` files, else of Jane Austen's novels, else of pydoc_data."""
     if spec is None and not JANEAUSTEN.is_dir():
-        from pydoc_data.topics import topics
-
-        texts = (topics[key] for key in sorted(topics))
-    else:
-        files = sorted(glob.glob(os.path.expanduser(spec))) if spec else sorted(JANEAUSTEN.glob("*.txt"))
-        texts = (Path(file).read_text(encoding="utf-8", errors="replace") for file in files)
-    for text in texts:
-        yield from (paragraph.strip() for paragraph in text.split("\n\n") if paragraph.strip())
+        return example_utils.pydoc_paragraphs()
+    files = sorted(glob.glob(os.path.expanduser(spec))) if spec else sorted(JANEAUSTEN.glob("*.txt"))
+    return example_utils.paragraphs(Path(file).read_text(encoding="utf-8", errors="replace") for file in files)
 
 
-def token_blocks(tokenizer, spec: str | None, count: int, block_size: int) -> torch.Tensor:
-    """The first ``count`` blocks ``[count, block_size]`` (int64) of the dataset's paragraphs, tokenised, each
-    followed by EOS and joined; only as much text is read as they need."""
-    needed, ids = count * block_size, []
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    for paragraph in paragraphs(spec):
-        ids += tokenizer(paragraph, add_special_tokens=False)["input_ids"] + eos
-        if len(ids) >= needed:
-            return torch.tensor(ids[:needed]).view(count, block_size)
-    sys.exit(f"the dataset gives only {len(ids) // block_size} blocks of {block_size} tokens; {count} are needed "
-             "(lower --steps, --batch-size or --block-size)")
+def training_blocks(tokenizer, spec: str | None, count: int, block_size: int) -> torch.Tensor:
+    """The first ``count`` blocks ``[count, block_size]`` (int64) of the dataset's paragraphs
+    (:func:`example_utils.token_blocks`); only as much text is read as they need."""
+    blocks = example_utils.token_blocks(paragraphs(spec), tokenizer, block_size, max_blocks=count)
+    if len(blocks) < count:
+        sys.exit(f"the dataset gives only {len(blocks)} blocks of {block_size} tokens; {count} are needed "
+                 "(lower --steps, --batch-size or --block-size)")
+    return torch.tensor(blocks)
 
 
 def check_block_size(model: hf_mhc.MHCForCausalLM, block_size: int) -> None:
@@ -182,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer, description = load_model(args)
     check_block_size(model, args.block_size)
     global_batch = args.batch_size * world_size
-    blocks = token_blocks(tokenizer, args.dataset, args.steps * global_batch, args.block_size)
+    blocks = training_blocks(tokenizer, args.dataset, args.steps * global_batch, args.block_size)
     if rank == 0:
         print(f"model: {description}; {world_size} ranks, {global_batch} sequences of {args.block_size} per step")
 

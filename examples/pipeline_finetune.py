@@ -26,19 +26,28 @@ saved folder has ``tie_word_embeddings: false``.
 folder exists. --dataset: a Hugging Face Hub dataset id, or local .txt / .json / .jsonl / .csv / .parquet files (a
 path, a glob or a folder). Default: Jane Austen's novels from ../shared/assets/janeausten when present, else Python's
 own help texts (pydoc_data). Texts are tokenised, joined with EOS and cut into --block-size blocks, which every step
-draws from a --seed shuffle (reshuffled after each pass over the data).
+draws from a --seed shuffle (reshuffled after each pass over the data); null and empty texts are skipped.
 
 Output (--output-dir, new or empty unless --overwrite or --resume): rank 0 gathers every stage's state dict (their
 tensors keep the full model's names) and writes an ordinary mHC folder that ``AutoModelForCausalLM.from_pretrained``
 loads, with the tokenizer and ``trainer_state.json`` (the run's options and the loss, learning rate and gradient norm
 of every step). Every --save-every steps the same goes to OUTPUT_DIR/checkpoint-STEP, plus ``optimizer.pt`` (every
-rank's AdamW state), ``scheduler.pt`` and ``rng_state_RANK.pth``: --resume continues the last one (or the given
-checkpoint) on the same number of ranks with the same options, and reaches the losses and weights of an
-uninterrupted run. --overwrite first deletes the earlier run's results from --output-dir (as examples/finetune.py).
+rank's AdamW state), ``scheduler.pt`` and ``rng_state_RANK.pth``, written into a hidden .checkpoint-STEP.partial-*
+folder that is renamed when the save is complete: a save that fails (a full disk) stops the run with one line and
+leaves nothing, a killed one leaves only that hidden folder.
 
-Bad input (a missing --model, unusable dataset files, --microbatches that do not divide --batch-size or that the
-schedule cannot run, more stages than decoder layers, a non-empty --output-dir, ...) stops every rank with one
-"pipeline_finetune.py: error: ..." line before any process group is started.
+--resume continues the newest complete checkpoint (or the given one) on the same number of ranks with the same
+options, and reaches the losses and weights of an uninterrupted run. It says which checkpoint it takes and which newer
+folders it skipped (incomplete ones, interrupted saves: it deletes nothing, and refuses to run when it would save a
+step whose checkpoint folder is there). A checkpoint with a file missing, cut short or damaged is refused with one line
+naming the file. --steps may grow: the warm-up stays the saved run's (a --warmup-steps given must match it), the first
+resumed step keeps the learning rate the saved run would have used, and from the next one the cosine decay runs to the
+new --steps, as Trainer does. --overwrite first deletes the earlier run's results from --output-dir (as
+examples/finetune.py).
+
+Bad input (a missing --model, unusable dataset files or no text in them, --microbatches that do not divide
+--batch-size or that the schedule cannot run, more stages than decoder layers, a non-empty --output-dir, ...) stops
+every rank with one "pipeline_finetune.py: error: ..." line before any process group is started.
 """
 
 from __future__ import annotations
@@ -47,18 +56,23 @@ import argparse
 import json
 import math
 import os
+import pickle
 import random
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup, set_seed
+from safetensors import SafetensorError
+from transformers import AutoTokenizer, get_cosine_schedule_with_warmup, set_seed
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers of finetune.py and fsdp2_finetune.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers of finetune.py, fsdp2_finetune.py, example_utils
 
-import finetune  # noqa: E402  (dataset loading, the --model / --output-dir / --resume checks)
+import example_utils  # noqa: E402
+import finetune  # noqa: E402  (dataset loading, the --model / --output-dir checks)
+from example_utils import STATE_FILE, add_shared_option  # noqa: E402
 from fsdp2_finetune import start_distributed  # noqa: E402
 
 import hf_mhc  # noqa: E402
@@ -67,10 +81,12 @@ from hf_mhc.distributed import split_pipeline  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "dualpipev")
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2, "dualpipev": 2}
-# The options a resumed run must share with the run it continues (--steps may grow).
-RUN_OPTIONS = ("schedule", "world_size", "microbatches", "batch_size", "block_size", "seed", "lr", "warmup_steps",
-               "weight_decay", "max_grad_norm")
-STATE_FILE = "trainer_state.json"
+# The options a resumed run must share with the run it continues (--steps may grow); it must also run on as many ranks
+# (world_size, which torchrun sets). A checkpoint's trainer_state.json holds all of SAVED_OPTIONS.
+RUN_OPTIONS = ("schedule", "microbatches", "batch_size", "block_size", "seed", "lr", "warmup_steps", "weight_decay",
+               "max_grad_norm")
+SAVED_OPTIONS = (*RUN_OPTIONS, "world_size", "steps", "num_stages")
+TORCH_LOAD_ERRORS = (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError)
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -79,30 +95,29 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     finetune.add_model_and_data_arguments(parser, block_size=64)
     train = parser.add_argument_group("training")
     train.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
-    train.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    add_shared_option(train, "--steps", default=20)
     train.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
     train.add_argument("--microbatches", type=int, default=2,
                        help="microbatches per step; must divide --batch-size (default 2)")
     train.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate (default 5e-4)")
-    train.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default steps // 10)")
-    train.add_argument("--weight-decay", type=float, default=0.0)
+    add_shared_option(train, "--warmup-steps")
+    add_shared_option(train, "--weight-decay")
     train.add_argument("--max-grad-norm", type=float, default=1.0,
                        help="clip the global gradient norm to this (default 1.0; 0: no clipping)")
-    train.add_argument("--seed", type=int, default=0, help="data order and random number generators (default 0)")
+    add_shared_option(train, "--seed")
     train.add_argument("--output-dir", required=True, help="new or empty folder for the trained model")
     train.add_argument("--overwrite", action="store_true",
                        help="reuse the --output-dir of an earlier run: delete its results first")
     train.add_argument("--save-every", type=int, default=0,
                        help="save a checkpoint every N steps to OUTPUT_DIR/checkpoint-N (default 0: none)")
-    train.add_argument("--resume", nargs="?", const="last", default=None, metavar="CHECKPOINT",
-                       help="continue from the last checkpoint in --output-dir, or from CHECKPOINT")
+    add_shared_option(train, "--resume")
     parser.set_defaults(lora=False)  # finetune.py's checks also serve its LoRA mode
     args = parser.parse_args(argv)
 
     if args.model is None:
-        if not finetune.STORIES260K.is_dir():
+        if not example_utils.STORIES260K.is_dir():
             parser.error("--model is required (the default ../shared/assets/stories260K is not present)")
-        args.model, args.upcycle = str(finetune.STORIES260K), True
+        args.model, args.upcycle = str(example_utils.STORIES260K), True
     for name in ("steps", "batch_size", "microbatches", "block_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -117,8 +132,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     if args.batch_size % args.microbatches:
         parser.error(f"--microbatches {args.microbatches} does not divide --batch-size {args.batch_size}: choose a "
                      "divisor (each microbatch gets batch-size / microbatches sequences)")
-    if args.warmup_steps is None:
-        args.warmup_steps = args.steps // 10
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun sets it; the process group comes later
     args.num_stages = STAGES_PER_RANK[args.schedule] * args.world_size if args.world_size > 1 else 1
     schedule_error = microbatch_error(args.schedule, args.microbatches, args.world_size, args.num_stages)
@@ -221,26 +234,88 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+class Resumed(NamedTuple):
+    """The checkpoint a run continues from, and this rank's training state loaded from it."""
+
+    checkpoint: Path
+    skipped: str  # a note on the newer folders left alone, "" when none
+    global_step: int
+    log_history: list[dict]
+    optimizer: dict
+    scheduler: dict
+    rng: dict
+
+
+def load_torch_file(parser: argparse.ArgumentParser, checkpoint: Path, name: str, **kwargs):
+    """``torch.load`` of ``checkpoint / name``; a file that does not load ends in one ``parser.error`` line."""
+    try:
+        return torch.load(checkpoint / name, weights_only=True, **kwargs)
+    except TORCH_LOAD_ERRORS as error:
+        parser.error(f"--resume {checkpoint}: {name} does not load ({first_line(error)})")
+
+
+def resume_point(parser: argparse.ArgumentParser, args: argparse.Namespace, out: Path) -> Resumed | None:
+    """The checkpoint --resume names (``None`` without --resume), checked before any process group: complete, saved
+    with this run's options, whole (every rank's file there and readable), and no later checkpoint of this run
+    already in ``out``. Sets a --warmup-steps not given to the saved run's."""
+    if args.resume is None:
+        return None
+    checkpoint, state, skipped = example_utils.checkpoint_to_resume(parser, args.resume, out)
+    saved = state.get("options") if isinstance(state, dict) else None
+    if not (isinstance(saved, dict) and set(SAVED_OPTIONS) <= set(saved) and isinstance(state.get("global_step"), int)
+            and isinstance(state.get("log_history"), list)):
+        parser.error(f"--resume {checkpoint}: its {STATE_FILE} is not one this script writes (no global_step, "
+                     "options and log_history)")
+    if args.warmup_steps is None:
+        args.warmup_steps = saved["warmup_steps"]
+    differing = [f"--{name.replace('_', '-')} {saved[name]!r} (now {getattr(args, name)!r})"
+                 for name in RUN_OPTIONS if saved[name] != getattr(args, name)]
+    if saved["world_size"] != args.world_size:
+        differing.append(f"ranks (torchrun --nproc-per-node) {saved['world_size']} (now {args.world_size})")
+    if differing:
+        parser.error(f"--resume {checkpoint} was saved by a run with {', '.join(differing)}: run it as that run ran")
+    step = state["global_step"]
+    if step >= args.steps:
+        parser.error(f"--resume {checkpoint} is at step {step}, not before --steps {args.steps}")
+    if args.save_every:
+        again = [out / f"checkpoint-{later}" for later in range(step + 1, args.steps) if later % args.save_every == 0]
+        there = [folder for folder in again if os.path.lexists(folder)]
+        if there:
+            parser.error(f"--resume {checkpoint} continues at step {step} and would save {there[0].name} again, which "
+                         f"--output-dir already holds: move it away first (nothing is replaced)")
+    weights = "model.safetensors.index.json" if (checkpoint / "model.safetensors.index.json").exists() else (
+        "model.safetensors")
+    ranks = range(args.world_size)
+    for name in ("config.json", weights, "optimizer.pt", "scheduler.pt", *(f"rng_state_{rank}.pth" for rank in ranks)):
+        if not (checkpoint / name).exists():
+            parser.error(f"--resume {checkpoint}: {name} is missing; not a whole checkpoint")
+    damaged = example_utils.damaged_file(checkpoint)
+    if damaged is not None:
+        parser.error(f"--resume {checkpoint}: {damaged}")
+    rank = int(os.environ.get("RANK", "0"))
+    optimizer = load_torch_file(parser, checkpoint, "optimizer.pt", mmap=True)
+    if not (isinstance(optimizer, dict) and isinstance(optimizer.get("ranks"), list)
+            and len(optimizer["ranks"]) == args.world_size):
+        parser.error(f"--resume {checkpoint}: optimizer.pt holds no AdamW state for each of the {args.world_size} "
+                     "ranks")
+    rng = [load_torch_file(parser, checkpoint, f"rng_state_{index}.pth") for index in ranks]  # every rank checks all
+    return Resumed(checkpoint=checkpoint, skipped=skipped, global_step=step, log_history=state["log_history"],
+                   optimizer=optimizer["ranks"][rank], scheduler=load_torch_file(parser, checkpoint, "scheduler.pt"),
+                   rng=rng[rank])
+
+
 def check_args_before_work(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """Every check that needs no process group: paths, the checkpoint to resume, the model, the data. Returns the
-    output folder, the checkpoint (or None), the model, the tokenizer and the token blocks."""
+    output folder, the :class:`Resumed` point (or None), the model, the tokenizer, the token blocks and a description
+    of the data."""
     out = finetune.check_paths(parser, args)
-    checkpoint = finetune.resume_checkpoint(parser, args, out)
-    state = None
-    if checkpoint is not None:
-        state = json.loads((Path(checkpoint) / STATE_FILE).read_text(encoding="utf-8"))
-        saved = state.get("options", {})
-        differing = [f"--{name.replace('_', '-')} {saved.get(name)!r} (now {getattr(args, name)!r})"
-                     for name in RUN_OPTIONS if saved.get(name) != getattr(args, name)]
-        if differing:
-            parser.error(f"--resume {checkpoint} was saved by a run with {', '.join(differing)}: pass the options "
-                         "of that run")
-        if state["global_step"] >= args.steps:
-            parser.error(f"--resume {checkpoint} is at step {state['global_step']}, not before --steps {args.steps}")
+    resumed = resume_point(parser, args, out)
+    if args.warmup_steps is None:
+        args.warmup_steps = args.steps // 10
     model = finetune.load_model(parser, args)
-    if checkpoint is not None:
-        finetune.check_resume_fits(parser, args, checkpoint, model)
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    if resumed is not None:
+        finetune.check_resume_fits(parser, args, str(resumed.checkpoint), model)
+        model = example_utils.load_causal_lm(parser, str(resumed.checkpoint), option="--resume", dtype=torch.float32)
     num_layers = len(model.model.layers)
     if args.num_stages > num_layers:
         fewer = " or a schedule of one stage per rank (gpipe, 1f1b)" if args.num_stages > args.world_size else ""
@@ -254,17 +329,25 @@ def check_args_before_work(parser: argparse.ArgumentParser, args: argparse.Names
     if args.block_size > positions:
         parser.error(f"--block-size {args.block_size} exceeds the model's {positions} positions")
     texts, corpus = finetune.load_texts(parser, args)
-    blocks = finetune.token_blocks(texts, tokenizer, args.text_column, args.block_size)
+    blocks = example_utils.dataset_token_blocks(texts, tokenizer, args.text_column, args.block_size)
     if len(blocks) < args.batch_size:
         parser.error(f"the dataset ({corpus}) gives {len(blocks)} blocks of {args.block_size} tokens, fewer than "
                      f"--batch-size {args.batch_size}: add text or lower --block-size")
-    return out, checkpoint, state, model, tokenizer, blocks.with_format("torch")["input_ids"], corpus
+    return out, resumed, model, tokenizer, blocks.with_format("torch")["input_ids"], corpus
+
+
+def write_torch_files(torch_objects: dict[str, object], folder: Path) -> None:
+    """``torch.save`` each of ``torch_objects`` (file name: object) into ``folder`` through an open file, so that a
+    full disk raises ``OSError`` (No space left on device)."""
+    for name, value in torch_objects.items():
+        with open(folder / name, "wb") as file:
+            torch.save(value, file)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser, args = parse_args(argv)
     set_seed(args.seed)
-    out, checkpoint, state, model, tokenizer, blocks, corpus = check_args_before_work(parser, args)
+    out, resumed, model, tokenizer, blocks, corpus = check_args_before_work(parser, args)
     was_tied = untie_lm_head(model)
     pipelined = args.world_size > 1
 
@@ -303,11 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=args.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.steps)
     start_step, log_history = 0, []
-    if checkpoint is not None:
-        optimizer.load_state_dict(torch.load(Path(checkpoint) / "optimizer.pt", mmap=True)["ranks"][rank])
-        scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt"))
-        set_rng_state(torch.load(Path(checkpoint) / f"rng_state_{rank}.pth"))
-        start_step, log_history = state["global_step"], state["log_history"]
+    if resumed is not None:
+        optimizer.load_state_dict(resumed.optimizer)
+        scheduler.load_state_dict(resumed.scheduler)  # its lr_lambda stays this run's: the decay to this --steps
+        set_rng_state(resumed.rng)
+        start_step, log_history = resumed.global_step, resumed.log_history
 
     if rank == 0:
         if args.overwrite and out.is_dir():
@@ -319,11 +402,37 @@ def main(argv: list[str] | None = None) -> int:
               f"{'; lm_head untied from the embedding' if was_tied else ''}; {how}")
         print(f"data: {corpus}: {len(blocks)} blocks of {args.block_size} tokens; {args.batch_size} sequences per step "
               f"in {args.microbatches} microbatches")
-        if checkpoint is not None:
-            print(f"resuming from {checkpoint} at step {start_step}")
+        if resumed is not None:
+            print(f"resuming from {resumed.checkpoint} at step {start_step}{resumed.skipped}", flush=True)
 
-    def save(folder: Path, step: int, with_training_state: bool) -> None:
-        """Rank 0 writes the merged model (and, for a checkpoint, every rank's training state) to ``folder``."""
+    def write(folder: Path, step: int, gathered: list[dict], with_training_state: bool) -> None:
+        """Write the merged model, the tokenizer, (for a checkpoint) every rank's training state and, last, the
+        trainer state into ``folder``, then read back what was written: a save that a full disk cut short raises."""
+        merged = {name: tensor for rank_state in gathered for name, tensor in rank_state["model"].items()}
+        model.save_pretrained(folder, state_dict=merged)
+        tokenizer.save_pretrained(folder)
+        torch_files = {}
+        if with_training_state:
+            torch_files = {
+                "optimizer.pt": {"ranks": [rank_state["optimizer"] for rank_state in gathered]},
+                "scheduler.pt": scheduler.state_dict(),
+                **{f"rng_state_{index}.pth": rank_state["rng"] for index, rank_state in enumerate(gathered)},
+            }
+        write_torch_files(torch_files, folder)
+        options = {name: getattr(args, name) for name in SAVED_OPTIONS}
+        trainer_state = {"global_step": step, "options": options, "log_history": log_history}
+        with open(folder / STATE_FILE, "w", encoding="utf-8") as file:
+            file.write(json.dumps(trainer_state, indent=2) + "\n")
+        written = [*sorted(folder.glob("model*.safetensors")), *(folder / name for name in torch_files),
+                   folder / STATE_FILE]
+        damaged = example_utils.first_file_error(written)
+        if damaged is not None:
+            raise OSError(f"written, but {damaged}")
+
+    def save(folder: Path, step: int, with_training_state: bool) -> str | None:
+        """Rank 0 writes the merged model (and, for a checkpoint, every rank's training state) to ``folder``; a
+        checkpoint all at once (:func:`example_utils.atomic_folder`). Every rank returns why the save failed, or
+        None."""
         local = {
             "model": {name: tensor.cpu() for module in modules for name, tensor in module.state_dict().items()},
             "optimizer": cpu_copy(optimizer.state_dict()) if with_training_state else None,
@@ -333,21 +442,31 @@ def main(argv: list[str] | None = None) -> int:
         if pipelined:
             gathered = [None] * world_size if rank == 0 else None
             dist.gather_object(local, gathered, dst=0)
+        error = None
         if rank == 0:
-            merged = {name: tensor for rank_state in gathered for name, tensor in rank_state["model"].items()}
-            model.save_pretrained(folder, state_dict=merged)
-            tokenizer.save_pretrained(folder)
-            if with_training_state:
-                torch.save({"ranks": [rank_state["optimizer"] for rank_state in gathered]}, folder / "optimizer.pt")
-                torch.save(scheduler.state_dict(), folder / "scheduler.pt")
-                for index, rank_state in enumerate(gathered):
-                    torch.save(rank_state["rng"], folder / f"rng_state_{index}.pth")
-            options = {name: getattr(args, name) for name in (*RUN_OPTIONS, "steps", "num_stages")}
-            trainer_state = {"global_step": step, "options": options, "log_history": log_history}
-            (folder / STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")  # last: the run's marker
-            print(f"saved {folder}", flush=True)
+            try:
+                if with_training_state:
+                    with example_utils.atomic_folder(folder) as partial:
+                        write(partial, step, gathered, with_training_state)
+                else:
+                    write(folder, step, gathered, with_training_state)
+            except (OSError, RuntimeError, SafetensorError) as exc:
+                error = f"cannot save {folder}: {first_line(exc)}"
+            else:
+                print(f"saved {folder}", flush=True)
         if pipelined:
-            dist.barrier()
+            verdict = [error]
+            dist.broadcast_object_list(verdict, src=0)
+            error = verdict[0]
+        return error
+
+    def stop(message: str) -> int:
+        """End the run on every rank (rank 0 prints ``message``): exit status 1."""
+        if rank == 0:
+            print(message, file=sys.stderr, flush=True)
+        if pipelined and owns_group:
+            dist.destroy_process_group()
+        return 1
 
     for step in range(start_step, args.steps):
         batch = blocks[batch_indices(step, args.batch_size, len(blocks), args.seed)].to(device)
@@ -374,19 +493,20 @@ def main(argv: list[str] | None = None) -> int:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if not math.isfinite(mean_loss):  # every rank sees the same loss and stops
-            if rank == 0:
-                print(f"step {step + 1}: the loss is {mean_loss}; lower --lr", file=sys.stderr)
-            if pipelined and owns_group:
-                dist.destroy_process_group()
-            return 1
+            return stop(f"step {step + 1}: the loss is {mean_loss}; lower --lr")
         log_history.append({"step": step + 1, "loss": mean_loss, "lr": learning_rate, "grad_norm": grad_norm})
         if rank == 0:
             print(f"step {step + 1}/{args.steps}: loss {mean_loss:.6f}, grad norm {grad_norm:.4f}, "
                   f"lr {learning_rate:.3e}", flush=True)
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            save(out / f"checkpoint-{step + 1}", step + 1, with_training_state=True)
+            error = save(out / f"checkpoint-{step + 1}", step + 1, with_training_state=True)
+            if error is not None:
+                return stop(f"{parser.prog}: error: {error} (nothing of it is kept; --resume continues from the "
+                            "newest complete checkpoint)")
 
-    save(out, args.steps, with_training_state=False)
+    error = save(out, args.steps, with_training_state=False)
+    if error is not None:
+        return stop(f"{parser.prog}: error: {error} (--resume continues from the newest complete checkpoint)")
     if pipelined and owns_group:
         dist.destroy_process_group()
     return 0

@@ -303,6 +303,7 @@ def test_paths_data_and_integrations_are_checked_before_training(
     (data / "broken.jsonl").write_text('{"text": "a"}\n{"text": \n')
     (data / "numbers.jsonl").write_text('{"text": 1}\n{"text": 2}\n')
     (data / "lists.jsonl").write_text('{"text": ["a", "b"]}\n')
+    (data / "no_text.jsonl").write_text('{"text": ""}\n{"text": null}\n')
     (data / "no_texts").mkdir()
     (data / "no_texts" / "README").write_text("x")
     out = ["--output-dir", str(tmp_path / "out")]
@@ -311,6 +312,7 @@ def test_paths_data_and_integrations_are_checked_before_training(
         "broken.jsonl": "invalid JSON, line 2",
         "numbers.jsonl": "holds Value('int64'), not text",
         "lists.jsonl": "not text",
+        "no_text.jsonl": "no text to train on (every 'text' is empty or null)",
         "nothing*.txt": "no file matches",
         "missing.txt": "no such file or folder",
         "no_texts": "files in this folder",
@@ -384,3 +386,113 @@ def test_a_crash_keeps_the_checkpoints_and_resume_continues_from_the_last(
     with torch.no_grad():
         torch.testing.assert_close(adapter(input_ids=ids).logits, reference(input_ids=ids).logits,
                                    rtol=1e-4, atol=1e-5)
+
+
+class SimulatedKill(BaseException):
+    """Stands for the process being killed: nothing after it runs (an exception handler would not either)."""
+
+
+def test_resume_skips_a_checkpoint_whose_save_was_cut_short(
+    example, tiny_llama_dir, text_files, tmp_path, capsys, datasets_cache, monkeypatch
+):
+    from transformers import Trainer
+
+    run = tiny_run(tiny_llama_dir, text_files / "*.txt", "--steps", "3", "--save-steps", "1", "--save-total-limit", "3")
+    out = tmp_path / "out"
+    save_optimizer_and_scheduler = Trainer._save_optimizer_and_scheduler
+
+    def killed_in_the_second_save(self, output_dir):  # Trainer has written checkpoint-2's model, nothing more
+        if self.state.global_step == 2:
+            raise SimulatedKill
+        return save_optimizer_and_scheduler(self, output_dir)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_save_optimizer_and_scheduler", killed_in_the_second_save)
+        with pytest.raises(SimulatedKill):
+            example.main([*run, "--output-dir", str(out)])
+    assert (out / "checkpoint-2" / "model.safetensors").is_file()
+    assert not (out / "checkpoint-2" / "trainer_state.json").exists()
+    capsys.readouterr()
+    assert (f"--resume {out / 'checkpoint-2'}: incomplete checkpoint (trainer_state.json is missing), not one to "
+            "continue from") in usage_error(example, [*run, "--output-dir", str(out), "--resume",
+                                                      str(out / "checkpoint-2")], capsys)
+
+    steps = []
+    training_step = Trainer.training_step
+
+    def record(self, *args, **kwargs):
+        steps.append(self.state.global_step + 1)
+        return training_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "training_step", record)
+    assert example.main([*run, "--output-dir", str(out), "--resume"]) == 0
+    assert (f"resuming from {out / 'checkpoint-1'}; skipped: checkpoint-2 (incomplete: "
+            "trainer_state.json is missing)") in capsys.readouterr().out
+    assert steps == [2, 3]
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2  # saved again
+
+
+def test_resume_refuses_a_damaged_checkpoint_or_one_not_of_trainer(
+    example, tiny_llama_dir, text_files, tmp_path, capsys, datasets_cache
+):
+    run = tiny_run(tiny_llama_dir, text_files / "*.txt", "--steps", "1", "--save-steps", "1")
+    out = tmp_path / "out"
+    assert example.main([*run, "--output-dir", str(out)]) == 0
+    damages = {
+        "optimizer.pt": "optimizer.pt is damaged or cut short (not a complete torch archive)",
+        "scheduler.pt": "no scheduler state (scheduler.pt) in it: not a whole Trainer checkpoint",
+        "model.safetensors": "model.safetensors is damaged or cut short (Error while deserializing header",
+    }
+    for damage, message in damages.items():
+        damaged = tmp_path / f"damaged_{damage}"
+        shutil.copytree(out, damaged)
+        path = damaged / "checkpoint-1" / damage
+        if damage == "scheduler.pt":
+            path.unlink()
+        else:
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        capsys.readouterr()
+        assert f"--resume {damaged / 'checkpoint-1'}: {message}" in usage_error(
+            example, [*run, "--output-dir", str(damaged), "--resume"], capsys
+        )
+
+    # a checkpoint of examples/pipeline_finetune.py has a trainer_state.json of its own
+    mhc_dir = tmp_path / "mhc"
+    hf_mhc.upcycle(LlamaForCausalLM.from_pretrained(tiny_llama_dir), hc_mult=2).save_pretrained(mhc_dir)
+    PreTrainedTokenizerFast.from_pretrained(tiny_llama_dir).save_pretrained(mhc_dir)
+    pipeline = tmp_path / "pipeline"
+    pipeline_run = ["--model", str(mhc_dir), "--dataset", str(text_files / "part1.txt"), "--steps", "2",
+                    "--save-every", "1", "--batch-size", "2", "--block-size", "16"]
+    assert import_script(REPO / "examples" / "pipeline_finetune.py").main([*pipeline_run, "--output-dir",
+                                                                           str(pipeline)]) == 0
+    capsys.readouterr()
+    message = usage_error(example, ["--model", str(mhc_dir), "--dataset", str(text_files / "part1.txt"),
+                                    "--output-dir", str(pipeline), "--resume", str(pipeline / "checkpoint-1")], capsys)
+    assert (f"--resume {pipeline / 'checkpoint-1'}: trainer_state.json is not a Trainer state (TrainerState.__init__() "
+            "got an unexpected keyword argument 'options')") in message
+
+
+def test_empty_texts_are_skipped(example, tiny_llama_dir, tmp_path, datasets_cache):
+    """A thousand empty texts (a whole tokenisation batch of them) before the real ones."""
+    texts = [""] * 1000 + pydoc_text(20_000).split("\n\n")
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    assert example.main(tiny_run(tiny_llama_dir, tmp_path / "texts.jsonl", "--output-dir", str(tmp_path / "out"))) == 0
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"hidden_size": 100, "num_attention_heads": 3},
+         "The hidden size (100) is not a multiple of the number of attention heads (3)."),
+        ({"num_key_value_heads": 3},
+         "its weights do not fit its config.json (model.layers.0.self_attn.k_proj.weight is [16, 32] in the weights, "
+         "[24, 32] by the config; 3 more tensors differ)"),
+    ],
+)
+def test_a_config_transformers_rejects_is_a_one_line_error(example, config, message, tiny_llama_dir, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    config_file = model / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **config}))
+    assert f"cannot load --model {model}: {message}" in usage_error(example, ["--model", str(model), "--upcycle"],
+                                                                    capsys)

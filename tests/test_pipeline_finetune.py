@@ -8,8 +8,13 @@ runs here, in this process, on the same data: it is the reference the pipelined 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +22,7 @@ import torch
 import torch.distributed as dist
 from conftest import import_script
 from safetensors.torch import load_file
-from test_distributed import EXAMPLES, WORKERS, assert_ordinary_mhc_folder, torchrun
+from test_distributed import EXAMPLES, WORKERS, assert_ordinary_mhc_folder, free_port, torchrun
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_mhc
@@ -152,6 +157,7 @@ def two_layer_model(tmp_path_factory) -> Path:
     [
         ("missing model", "--model: no such folder: {tmp}/missing"),
         ("empty dataset", "--dataset {tmp}/empty.txt: empty file"),
+        ("no text", "--dataset {tmp}/empty_texts.jsonl: no text to train on (every 'text' is empty or null)"),
         ("microbatches", "--microbatches 3 does not divide --batch-size 4"),
         ("output dir", "--output-dir {tmp}/full is not empty: pass --overwrite"),
         ("stages", "--schedule dualpipev on 2 ranks makes 4 stages, but the model has 2 decoder layers"),
@@ -162,6 +168,7 @@ def test_bad_input_is_a_one_line_error_before_any_process_group(case, message, t
                                                                  monkeypatch, capsys):
     (tmp_path / "texts.txt").write_text("Some text to train on.\n\nAnother paragraph.\n" * 20)
     (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "empty_texts.jsonl").write_text('{"text": ""}\n' * 3)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("kept")
     argv = {"--model": str(two_layer_model), "--dataset": str(tmp_path / "texts.txt"), "--batch-size": "4",
@@ -170,6 +177,8 @@ def test_bad_input_is_a_one_line_error_before_any_process_group(case, message, t
         argv["--model"] = str(tmp_path / "missing")
     elif case == "empty dataset":
         argv["--dataset"] = str(tmp_path / "empty.txt")
+    elif case == "no text":
+        argv["--dataset"] = str(tmp_path / "empty_texts.jsonl")
     elif case == "microbatches":
         argv["--microbatches"] = "3"
     elif case == "output dir":
@@ -184,3 +193,238 @@ def test_bad_input_is_a_one_line_error_before_any_process_group(case, message, t
     assert error.startswith("pipeline_finetune.py: error: ") and message.format(tmp=tmp_path) in error, error
     assert not dist.is_initialized()
     assert (tmp_path / "full" / "notes.txt").read_text() == "kept" and not (tmp_path / "out").exists()
+
+
+# --- interrupted saves, damaged checkpoints and a longer resumed run, in one process ----------------------------------
+
+# 4 steps of 4 sequences in 2 microbatches on the 2-layer model, a checkpoint after every step but the last.
+ONE_PROCESS_ARGS = ["--steps", "4", "--save-every", "1", "--batch-size", "4", "--microbatches", "2", "--block-size",
+                    "16", "--lr", "1e-3"]
+# Run as a script by the tests: ``python THIS HOW EXAMPLE ARGS...`` (also under torchrun) runs EXAMPLE, whose save of
+# checkpoint-3's optimizer.pt, after that checkpoint's model files, SIGKILLs the process (HOW = kill) or fails as on a
+# full disk (HOW = disk-full).
+FAILING_SAVE = """
+import errno, os, runpy, signal, sys
+import torch
+
+save, how = torch.save, sys.argv[1]
+
+def failing_save(obj, file, *args, **kwargs):
+    target = os.fspath(file) if isinstance(file, (str, os.PathLike)) else getattr(file, "name", "")  # path or file
+    if "checkpoint-3" in target and target.endswith("optimizer.pt"):
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return save(obj, file, *args, **kwargs)
+
+torch.save = failing_save
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_with_failing_save(how: str, argv: list[str], tmp_path: Path, ranks: int = 1) -> subprocess.CompletedProcess:
+    """The example run by :data:`FAILING_SAVE` in a process of its own (``ranks`` > 1: under torchrun, gloo)."""
+    (tmp_path / "failing_save.py").write_text(FAILING_SAVE)
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                    f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
+                                                    f"--master_port={free_port()}"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()),  # the threads of this process's runs
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "datasets_cache")}
+    return subprocess.run([*launcher, str(tmp_path / "failing_save.py"), how, str(EXAMPLES / "pipeline_finetune.py"),
+                           *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def one_process_run(two_layer_model, tmp_path_factory) -> tuple[list[str], Path]:
+    """The options of a one-process run (without --output-dir) and the folder of that run, never interrupted
+    (checkpoint-1 to checkpoint-3 and the final model)."""
+    folder = tmp_path_factory.mktemp("one_process")
+    write_texts(folder / "data.txt")
+    argv = ["--model", str(two_layer_model), "--dataset", str(folder / "data.txt"), *ONE_PROCESS_ARGS]
+    assert example().main([*argv, "--output-dir", str(folder / "uninterrupted")]) == 0
+    return argv, folder / "uninterrupted"
+
+
+def assert_same_run(folder: Path, reference: Path) -> None:
+    """The run saved in ``folder`` took the steps of the one in ``reference``: same losses, same final weights (the
+    same code in the same process, so to float32 rounding)."""
+    weights, log = saved_state(folder)
+    expected_weights, expected_log = saved_state(reference)
+    assert [entry["step"] for entry in log] == [entry["step"] for entry in expected_log]
+    for entry, expected in zip(log, expected_log, strict=True):
+        assert abs(entry["loss"] - expected["loss"]) <= 1e-6 * expected["loss"], (entry, expected)
+    assert set(weights) == set(expected_weights)
+    for name, expected in expected_weights.items():
+        assert_close_to_scale(weights[name], expected, rtol=1e-6, name=name)
+
+
+def checkpoint_entries(folder: Path) -> list[str]:
+    return sorted(path.name for path in folder.iterdir() if "checkpoint-" in path.name)
+
+
+def test_a_run_killed_mid_save_resumes_from_the_last_complete_checkpoint(one_process_run, tmp_path, capsys):
+    argv, uninterrupted = one_process_run
+    killed = tmp_path / "killed"
+    result = run_with_failing_save("kill", [*argv, "--output-dir", str(killed)], tmp_path)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    # checkpoint-3 was being written: only its hidden folder is there, which no --resume takes
+    partial, *entries = checkpoint_entries(killed)
+    assert entries == ["checkpoint-1", "checkpoint-2"], entries
+    assert partial.startswith(".checkpoint-3.partial-") and (killed / partial / "model.safetensors").is_file()
+
+    capsys.readouterr()
+    assert example().main([*argv, "--output-dir", str(killed), "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert (f"resuming from {killed / 'checkpoint-2'} at step 2; skipped: {partial} (an "
+            "interrupted save)") in printed, printed
+    assert (killed / partial).is_dir()  # left as it was
+    assert_same_run(killed, uninterrupted)
+    assert_same_run(killed / "checkpoint-3", uninterrupted / "checkpoint-3")
+
+
+def test_a_save_that_fails_stops_with_one_line_and_leaves_no_checkpoint(one_process_run, tmp_path, capsys,
+                                                                         monkeypatch):
+    argv, uninterrupted = one_process_run
+    out = tmp_path / "out"
+    save = torch.save
+
+    def disk_full(obj, file, *args, **kwargs):  # what FAILING_SAVE's disk-full does, in this process
+        target = os.fspath(file) if isinstance(file, (str, os.PathLike)) else getattr(file, "name", "")
+        if "checkpoint-3" in target and target.endswith("optimizer.pt"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return save(obj, file, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", disk_full)
+        assert example().main([*argv, "--output-dir", str(out)]) == 1
+    error = capsys.readouterr().err
+    assert "Traceback" not in error
+    assert error.strip().splitlines()[-1].startswith(
+        f"pipeline_finetune.py: error: cannot save {out / 'checkpoint-3'}: [Errno 28] No space left on device"
+    ), error[-2000:]
+    assert checkpoint_entries(out) == ["checkpoint-1", "checkpoint-2"]  # nothing half-written is left
+
+    assert example().main([*argv, "--output-dir", str(out), "--resume"]) == 0
+    assert f"resuming from {out / 'checkpoint-2'} at step 2\n" in capsys.readouterr().out
+    assert_same_run(out, uninterrupted)
+
+
+def test_a_save_that_fails_stops_every_rank(two_layer_model, tmp_path):
+    """On two ranks, rank 0's failed save ends both (neither waits for the other) with the one error line."""
+    write_texts(tmp_path / "data.txt")
+    out = tmp_path / "out"
+    argv = ["--model", str(two_layer_model), "--dataset", str(tmp_path / "data.txt"), *FINETUNE_ARGS[:-2],
+            "--save-every", "1", "--output-dir", str(out)]
+    result = run_with_failing_save("disk-full", argv, tmp_path, ranks=2)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "pipeline_finetune.py: error:" in line]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert f"cannot save {out / 'checkpoint-3'}: [Errno 28] No space left on device" in errors[0]
+    assert "step 3/4" in result.stdout and "step 4/4" not in result.stdout
+    assert checkpoint_entries(out) == ["checkpoint-1", "checkpoint-2"]
+
+
+def cut_short(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    ("case", "resume", "message"),
+    [
+        ("optimizer.pt cut short", "", "--resume {ckpt}: optimizer.pt is damaged or cut short (not a complete torch "
+                                       "archive)"),
+        ("scheduler.pt missing", "", "--resume {ckpt}: scheduler.pt is missing; not a whole checkpoint"),
+        ("rng_state_0.pth cut short", "", "--resume {ckpt}: rng_state_0.pth is damaged or cut short"),
+        ("model.safetensors cut short", "", "--resume {ckpt}: model.safetensors is damaged or cut short (Error "
+                                            "while deserializing header"),
+        ("trainer_state.json garbage", "{ckpt}", "--resume {ckpt}: incomplete checkpoint (trainer_state.json is not "
+                                                 "valid JSON (line 1: Expecting value)), not one to continue from"),
+        # skipped: the run resumes from checkpoint-2 and would save checkpoint-3, which is there, again
+        ("trainer_state.json garbage", "", "--resume {out}/checkpoint-2 continues at step 2 and would save "
+                                           "checkpoint-3 again, which --output-dir already holds: move it away first"),
+        ("trainer_state.json of Trainer", "", "--resume {ckpt}: its trainer_state.json is not one this script writes"),
+    ],
+)
+def test_a_damaged_checkpoint_is_a_one_line_error_naming_the_file(case, resume, message, one_process_run, tmp_path,
+                                                                  capsys):
+    argv, uninterrupted = one_process_run
+    out = tmp_path / "out"
+    shutil.copytree(uninterrupted, out)
+    checkpoint = out / "checkpoint-3"
+    name = case.split()[0]
+    if case.endswith("cut short"):
+        cut_short(checkpoint / name)
+    elif case.endswith("missing"):
+        (checkpoint / name).unlink()
+    elif case.endswith("garbage"):
+        (checkpoint / name).write_text("not JSON")
+    else:  # what examples/finetune.py's Trainer writes
+        (checkpoint / name).write_text(json.dumps({"global_step": 3, "log_history": [], "max_steps": 4}))
+    before = sorted(str(path.relative_to(out)) for path in out.rglob("*"))
+    resume_args = ["--resume", resume.format(ckpt=checkpoint)] if resume else ["--resume"]
+    with pytest.raises(SystemExit) as exit_info:
+        example().main([*argv, "--output-dir", str(out), *resume_args])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "Traceback" not in error
+    line = error.strip().splitlines()[-1]
+    assert line.startswith("pipeline_finetune.py: error: ") and message.format(ckpt=checkpoint, out=out) in line, line
+    assert sorted(str(path.relative_to(out)) for path in out.rglob("*")) == before  # nothing deleted or written
+
+
+def test_a_resumed_run_may_take_more_steps_and_keeps_its_warm_up(one_process_run, tmp_path, capsys):
+    """Saved by a 10-step run (warm-up 10 // 10 = 1) at step 5, resumed for 20 steps: the warm-up stays 1 (20 // 10
+    would be 2), and from step 7 on the cosine decay runs to step 20, as Trainer's resumed schedule does; step 6 keeps
+    the learning rate the saved run would have used."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    argv, _ = one_process_run
+    argv = [*argv[: argv.index("--steps")], *argv[argv.index("--steps") + 2 :]]
+    out = tmp_path / "out"
+    assert example().main([*argv, "--steps", "10", "--save-every", "5", "--output-dir", str(out)]) == 0
+    short_log = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert example().main([*argv, "--steps", "20", "--save-every", "5", "--output-dir", str(out), "--resume"]) == 0
+    assert f"resuming from {out / 'checkpoint-5'} at step 5" in capsys.readouterr().out
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["options"]["warmup_steps"] == 1 and state["options"]["steps"] == 20
+    log = state["log_history"]
+    assert [entry["step"] for entry in log] == list(range(1, 21))
+    assert [entry["lr"] for entry in log[:6]] == [entry["lr"] for entry in short_log[:6]]
+    assert log[5]["loss"] == pytest.approx(short_log[5]["loss"], rel=1e-6)  # from the weights of checkpoint-5
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    schedule = get_cosine_schedule_with_warmup(optimizer, 1, 20)
+    expected = []
+    for _ in range(20):
+        expected.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    assert [entry["lr"] for entry in log[6:]] == pytest.approx(expected[6:], rel=1e-12)
+
+    with pytest.raises(SystemExit):
+        example().main([*argv, "--steps", "30", "--save-every", "5", "--warmup-steps", "3", "--output-dir", str(out),
+                        "--resume", str(out / "checkpoint-15")])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--resume {out / 'checkpoint-15'} was saved by a run with --warmup-steps 1 (now 3)" in line, line
+
+
+def test_resuming_on_another_number_of_ranks_names_the_torchrun_option(work, tmp_path, capsys):
+    """The 1f1b run's checkpoint was saved on two ranks; one process may not continue it."""
+    argv = json.loads((work / "finetune_args.json").read_text())
+    with pytest.raises(SystemExit):
+        example().main([*argv, "--output-dir", str(tmp_path / "out"), "--resume", str(work / "1f1b" / "checkpoint-2")])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "was saved by a run with ranks (torchrun --nproc-per-node) 2 (now 1): run it as that run ran" in line, line
+    assert "--world-size" not in line
+
+
+def test_empty_texts_are_skipped(two_layer_model, tmp_path):
+    """A thousand empty texts (a whole tokenisation batch of them) before the real ones."""
+    texts = [{"text": ""}] * 1000 + [{"text": paragraph} for paragraph in "Some text.\n\nMore text here.".split("\n")]
+    from pydoc_data.topics import topics
+
+    texts += [{"text": topics[key]} for key in sorted(topics)[:2]]
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps(text) + "\n" for text in texts))
+    argv = ["--model", str(two_layer_model), "--dataset", str(tmp_path / "texts.jsonl"), "--steps", "1",
+            "--batch-size", "2", "--block-size", "16", "--output-dir", str(tmp_path / "out")]
+    assert example().main(argv) == 0
