@@ -22,10 +22,11 @@ from pathlib import Path
 
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 import hf_mhc
 from hf_mhc.cli import first_line
+from hf_mhc.configuration_mhc import load_pretrained_config
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 STORIES260K = ASSETS / "stories260K"
@@ -159,11 +160,12 @@ def load_error_message(error: BaseException) -> str:
 
 
 def load_config(parser: argparse.ArgumentParser, name: str, option: str = "--model"):
-    """``AutoConfig.from_pretrained(name)``; what it rejects ends in one ``parser.error`` line."""
+    """hf-mhc's ``load_pretrained_config(name)`` (the config loader of its CLI); what it rejects ends in one
+    ``parser.error`` line."""
     try:
-        return AutoConfig.from_pretrained(name)
-    except LOAD_ERRORS as error:
-        parser.error(f"cannot load {option} {name}: {load_error_message(error)}")
+        return load_pretrained_config(name)
+    except (OSError, ValueError) as error:
+        parser.error(f"cannot load {option} {name}: {first_line(error)}")
 
 
 def load_causal_lm(parser: argparse.ArgumentParser, name: str, option: str = "--model", **kwargs):
