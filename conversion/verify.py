@@ -1,51 +1,50 @@
 """Check a converted checkpoint against its source: logits on fixed prompts, and greedy decoding.
 
-Both models are loaded in the same dtype, one after the other (never both in memory), on CUDA when available.
+What is compared, whatever dtype the conversion writes:
 
-A conversion passes when both criteria hold:
+- the converted checkpoint as written, and the source's tensors as the conversion wrote them: each source tensor that
+  ``--dtype`` cast is rounded to that dtype exactly as the converter rounds it (``tensor.to(dtype)``), every other
+  one (float8 weights and their scales, tensors kept as stored) is taken as stored. When the conversion changed no
+  tensor's dtype, that is the source folder itself;
+- both computed in float32 (float64 for a float64 checkpoint): ``from_pretrained(..., dtype=torch.float32)`` upcasts
+  stored half-precision weights exactly, and the HC tensors are float32. So the two models hold the same numbers and
+  differ only in how the mHC model combines them. Computing in the stored half precision would not tell a conversion
+  error from rounding: the mHC streams round differently from the residual stream, and in an MoE model that alone
+  flips expert choices, which moves the logits by a sizeable fraction of their scale.
 
-1. ``max |logits_mHC - logits_source| <= rtol * max(1, max |logits_source|)`` over all prompt positions, with the
-   logits finite. The threshold is relative to the logit scale because float32 rounding is: the function-preserving
-   initialisation is exact up to rounding, and the mHC model adds the same terms in a different order, so its logits
-   differ from the source's by a few float32 ulps of the logit scale. Measured (tiny random Llamas, CPU, 1 thread):
-   ``max |Δ| / scale`` = 3e-7 at 2 layers x 64 wide, 7e-7 at 4-6 layers x 128 wide (logits ~500, so ``|Δ|`` = 3.7e-4),
-   1.3e-6 at 8 x 1024, 1.5e-6 at 16 x 384; 3e-6 was reported for a 16 x 384 Llama with logits ~100 (|Δ| = 2.7e-4).
-   The source model's own float32 error against float64 is the same size (0.5e-6 to 1.2e-6 on these models), so
-   this is the rounding floor of a float32 forward, not a conversion error. It grows roughly with the square root of
-   depth x width, so ``rtol = 1e-4`` (float32 and float64) leaves a margin of 30 at 16 x 384 and about 3 for an
-   80-layer, 8192-wide model. A conversion error is far larger: one layer's post bias off by 0.01 moves the logits by
-   6e-4 of their scale (4 x 128 Llama), a wrong HC initialisation or a missing or swapped tensor by a sizeable
-   fraction of it. (A single tensor rounded to bfloat16 moves them by only 6e-6 to 3e-3 of the scale, so dtypes are
-   not judged by the logits: every floating backbone tensor is written in the one ``--dtype``, or as stored.)
-   In bfloat16 ``rtol = 0.1``, in float16 ``0.02``: half precision rounds the mHC streams differently from the
-   residual model, so both drift from the float32 function by about the same amount. Measured on the real
-   stories260K Llama (5 layers): mHC vs source 1.4% (bf16) and 0.19% (fp16) of the logit scale, the source itself
-   vs float32 1.5% and 0.3%; the thresholds leave room for models of ~50 layers and more.
-2. In float32 and float64, greedy decoding of :data:`GREEDY_TOKENS` tokens from every prompt gives the same tokens.
-   A difference of 1e-4 of the logit scale flips a greedy choice only at a near-exact tie. In half precision greedy
-   decoding is reported, not enforced: a near-tie can flip a token (stories260K in bfloat16 diverges at the 4th
-   generated token of one prompt, and so does the source itself in bfloat16 against float32).
+The models are loaded one after the other (never both in memory), on CUDA when available. A conversion passes when
+
+1. ``max |logits_mHC - logits_source| <= RELATIVE_TOLERANCE * max(1, max |logits_source|)`` over all prompt
+   positions, with the logits finite. The function-preserving initialisation is exact up to rounding, and the mHC
+   model adds the same terms in another order, so the logits differ by a few float32 ulps of their scale (growing
+   about as the square root of depth x width); a wrong HC tensor, or a missing or swapped backbone tensor, moves them
+   by far more;
+2. greedy decoding of :data:`GREEDY_TOKENS` tokens from every prompt gives the same tokens: a difference of
+   ``RELATIVE_TOLERANCE`` of the logit scale flips a greedy choice only at a near-exact tie.
 """
 
 from __future__ import annotations
 
 import gc
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+)
 
-# rtol of ``max |Δ logits| <= rtol * max(1, max |logits_source|)`` per dtype (see the module docstring).
-RELATIVE_TOLERANCES: dict[torch.dtype, float] = {
-    torch.float64: 1e-4,
-    torch.float32: 1e-4,
-    torch.bfloat16: 0.1,
-    torch.float16: 0.02,
-}
-# Dtypes in which greedy decoding must agree (in half precision rounding flips near-ties).
-GREEDY_ENFORCED: frozenset[torch.dtype] = frozenset({torch.float32, torch.float64})
+from .source import SourceCheckpoint, SourceTensor, TensorReader
+
+# rtol of ``max |Δ logits| <= rtol * max(1, max |logits_source|)`` (see the module docstring).
+RELATIVE_TOLERANCE = 1e-4
 GREEDY_TOKENS = 32
 PROMPT_TEXTS: tuple[str, ...] = (
     "Once upon a time, there was a little girl who",
@@ -59,19 +58,26 @@ FIXED_PROMPT_LENGTHS: tuple[int, ...] = (8, 16, 24)
 class VerificationResult:
     """Outcome of :func:`verify_conversion`.
 
-    ``passed`` when the logits are finite, the largest difference is within ``tolerance`` (``rtol * max(1,
-    logit_scale)``), and, where ``greedy_required`` (float32, float64), greedy decoding agrees on every prompt.
+    ``dtype`` is the converted checkpoint's, ``compute_dtype`` the one both models ran in, ``rounded_tensors`` the
+    number of source tensors rounded to the converted dtypes for the comparison (0: the source as stored).
+    ``passed`` when the logits are finite, the largest difference is within ``tolerance`` and greedy decoding
+    agrees on every prompt.
     """
 
     dtype: str
+    compute_dtype: str
+    rounded_tensors: int
     prompts: int
     prompt_source: str
     max_abs_logit_diff: float
-    tolerance: float
+    logit_scale: float
     greedy_tokens: int
     greedy_agrees: bool
-    logit_scale: float = math.nan
-    greedy_required: bool = False
+
+    @property
+    def tolerance(self) -> float:
+        """:func:`logit_tolerance` of the source's logit scale."""
+        return logit_tolerance(self.logit_scale)
 
     @property
     def logits_agree(self) -> bool:
@@ -79,27 +85,32 @@ class VerificationResult:
 
     @property
     def passed(self) -> bool:
-        return self.logits_agree and (self.greedy_agrees or not self.greedy_required)
+        return self.logits_agree and self.greedy_agrees
 
     def summary(self) -> str:
-        """One line: dtype, prompts, the difference against its threshold, and the greedy-decoding agreement."""
-        greedy = "agrees" if self.greedy_agrees else "DIFFERS"
-        if not self.greedy_agrees and not self.greedy_required:
-            greedy += f" (in {self.dtype} rounding flips near-ties, as it does between the source and float32)"
+        """One line: what was compared, the difference against its threshold, and the greedy-decoding agreement."""
+        if self.rounded_tensors:
+            source = f"the source with {self.rounded_tensors} tensors rounded to {self.dtype} as converted"
+        else:
+            source = "the source as stored"
         scale = f", logit scale {self.logit_scale:.3g}" if math.isfinite(self.logit_scale) else ""
         return (
-            f"{self.dtype}, {self.prompts} prompts ({self.prompt_source}): max |logit difference| "
-            f"{self.max_abs_logit_diff:.3g} (threshold {self.tolerance:.3g}{scale}); greedy decoding of "
-            f"{self.greedy_tokens} tokens {greedy}"
+            f"{self.dtype} weights against {source}, both computed in {self.compute_dtype}, {self.prompts} prompts "
+            f"({self.prompt_source}): max |logit difference| {self.max_abs_logit_diff:.3g} (threshold "
+            f"{self.tolerance:.3g}{scale}); greedy decoding of {self.greedy_tokens} tokens "
+            f"{'agrees' if self.greedy_agrees else 'DIFFERS'}"
         )
 
 
-def logit_tolerance(dtype: torch.dtype, logit_scale: float) -> float:
-    """Largest acceptable ``max |Δ logits|`` for models run in ``dtype`` whose logits reach ``logit_scale``:
-    ``rtol * max(1, logit_scale)`` with the dtype's ``rtol`` from :data:`RELATIVE_TOLERANCES`."""
-    if dtype not in RELATIVE_TOLERANCES:
-        raise ValueError(f"no verification tolerance for {dtype}; use float32, bfloat16 or float16.")
-    return RELATIVE_TOLERANCES[dtype] * max(logit_scale, 1.0)
+def logit_tolerance(logit_scale: float) -> float:
+    """Largest acceptable ``max |Δ logits|`` for logits reaching ``logit_scale``:
+    ``RELATIVE_TOLERANCE * max(1, logit_scale)`` (a non-finite scale counts as 1)."""
+    return RELATIVE_TOLERANCE * max(logit_scale if math.isfinite(logit_scale) else 1.0, 1.0)
+
+
+def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """The dtype both models run in for a checkpoint stored in ``dtype``: float32, or float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def verification_prompts(source_folder: Path, vocab_size: int) -> tuple[list[torch.Tensor], str]:
@@ -117,14 +128,36 @@ def verification_prompts(source_folder: Path, vocab_size: int) -> tuple[list[tor
     return prompts, "token ids"
 
 
+def _read_whole(reader: TensorReader, tensor: SourceTensor) -> torch.Tensor:
+    blocks = list(reader.chunks(tensor, max(1, math.prod(tensor.shape) * tensor.dtype.itemsize)))
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+
+
+def load_source_as_converted(
+    source: SourceCheckpoint, rounded: Mapping[str, torch.dtype], compute_dtype: torch.dtype
+) -> PreTrainedModel:
+    """The source model in ``compute_dtype``, each tensor named in ``rounded`` first rounded to its dtype there (as
+    the converter casts it: ``tensor.to(dtype)``), the others as stored."""
+    if not rounded:
+        return AutoModelForCausalLM.from_pretrained(source.folder, dtype=compute_dtype)
+    with source.reader() as reader:
+        state_dict = {
+            name: _read_whole(reader, tensor).to(rounded.get(name, tensor.dtype))
+            for name, tensor in source.tensors.items()
+        }
+    config = AutoConfig.from_pretrained(source.folder)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # the Auto class needs a folder, and there is none
+    return model_class.from_pretrained(None, config=config, state_dict=state_dict, dtype=compute_dtype)
+
+
 def _run_prompts(
-    folder: Path, dtype: torch.dtype, device: str, prompts: list[torch.Tensor]
+    model: PreTrainedModel, device: str, prompts: list[torch.Tensor]
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Logits ``[T, vocab]`` per prompt (float32, CPU), and ``[P, GREEDY_TOKENS]`` greedily decoded ids.
+    """Logits ``[T, vocab]`` per prompt (CPU), and ``[P, GREEDY_TOKENS]`` greedily decoded ids.
 
     Logits come from each prompt alone; greedy decoding runs on the left-padded batch of all prompts at once.
     """
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    model = model.to(device).eval()
     longest = max(len(ids) for ids in prompts)
     batch = torch.zeros(len(prompts), longest, dtype=torch.long)
     mask = torch.zeros_like(batch)
@@ -138,46 +171,58 @@ def _run_prompts(
         do_sample=False, max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS, pad_token_id=0
     )
     with torch.no_grad():
-        logits = [model(ids[None].to(device)).logits[0].float().cpu() for ids in prompts]
+        logits = [model(ids[None].to(device)).logits[0].cpu() for ids in prompts]
         output = model.generate(batch.to(device), attention_mask=mask.to(device))
-    del model
-    gc.collect()
     return logits, output[:, longest:].cpu()
 
 
 def verify_conversion(
-    source_folder: str | Path,
+    source: SourceCheckpoint,
     converted_folder: str | Path,
     dtype: torch.dtype,
+    written_dtypes: Mapping[str, torch.dtype],
     vocab_size: int,
     device: str | None = None,
 ) -> VerificationResult:
-    """Compare the converted checkpoint with its source, both loaded in ``dtype``, on fixed prompts.
+    """Compare the converted checkpoint with its source on fixed prompts, as the module docstring says.
 
-    Returns the largest absolute logit difference over every prompt position, the source's logit scale
-    (``max |logits_source|``), the tolerance (:func:`logit_tolerance`) and whether greedy decoding of
-    :data:`GREEDY_TOKENS` tokens agrees on every prompt (required in float32 and float64).
+    Args:
+        source: the inspected source checkpoint.
+        converted_folder: the converted checkpoint, stored in ``dtype`` (its config's).
+        written_dtypes: the dtype the conversion wrote each source tensor in, by name; a source tensor whose dtype
+            differs there is rounded to it for the comparison.
+        vocab_size: the backbone's, for the fallback prompts.
+        device: where both models run; CUDA when available by default.
     """
-    source_folder, converted_folder = Path(source_folder), Path(converted_folder)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    prompts, prompt_source = verification_prompts(source_folder, vocab_size)
-    source_logits, source_tokens = _run_prompts(source_folder, dtype, device, prompts)
-    converted_logits, converted_tokens = _run_prompts(converted_folder, dtype, device, prompts)
+    compute_dtype = compute_dtype_for(dtype)
+    rounded = {
+        name: written
+        for name, written in written_dtypes.items()
+        if name in source.tensors and written != source.tensors[name].dtype
+    }
+    prompts, prompt_source = verification_prompts(source.folder, vocab_size)
+    source_model = load_source_as_converted(source, rounded, compute_dtype)
+    source_logits, source_tokens = _run_prompts(source_model, device, prompts)
+    del source_model
+    converted_model = AutoModelForCausalLM.from_pretrained(converted_folder, dtype=compute_dtype)
+    converted_logits, converted_tokens = _run_prompts(converted_model, device, prompts)
+    del converted_model
+    gc.collect()
     max_diff = max(float((got - want).abs().max()) for got, want in zip(converted_logits, source_logits, strict=True))
     if not all(torch.isfinite(logits).all() for logits in source_logits + converted_logits):
         max_diff = math.inf
-    logit_scale = max(float(logits.abs().max()) for logits in source_logits)
     return VerificationResult(
         dtype=str(dtype).removeprefix("torch."),
+        compute_dtype=str(compute_dtype).removeprefix("torch."),
+        rounded_tensors=len(rounded),
         prompts=len(prompts),
         prompt_source=prompt_source,
         max_abs_logit_diff=max_diff,
-        tolerance=logit_tolerance(dtype, logit_scale if math.isfinite(logit_scale) else 1.0),
+        logit_scale=max(float(logits.abs().max()) for logits in source_logits),
         greedy_tokens=GREEDY_TOKENS,
         greedy_agrees=torch.equal(converted_tokens, source_tokens),
-        logit_scale=logit_scale,
-        greedy_required=dtype in GREEDY_ENFORCED,
     )
 
 
-__all__ = ["GREEDY_ENFORCED", "RELATIVE_TOLERANCES", "VerificationResult", "logit_tolerance", "verify_conversion"]
+__all__ = ["RELATIVE_TOLERANCE", "VerificationResult", "logit_tolerance", "verify_conversion"]

@@ -192,6 +192,7 @@ class MHCConfig(PreTrainedConfig):
         # Fields arrive as attributes, everything else (transformers_version, auto_map, ...) in kwargs: an hc_* key
         # there is a misspelt field, which would otherwise be stored and ignored.
         check_hc_options(kwargs, "MHCConfig", only_hc_prefixed=True)
+        _check_backbone_config_type(self.backbone_config)
         if isinstance(self.backbone_config, dict):
             check_backbone_type(self.backbone_config.get("model_type"))
         # Backbone settings given here (use_cache=False, pad_token_id=3, ...) go to the backbone config, all alike:
@@ -355,6 +356,21 @@ def check_backbone_type(model_type: str | None, backbone_config: PreTrainedConfi
             f"Unsupported mHC backbone {model_type!r} ({misfit}); supported backbone families: "
             f"{', '.join(SUPPORTED_BACKBONES)}."
         )
+
+
+def _check_backbone_config_type(backbone_config) -> None:
+    """One-line ``TypeError`` for a ``backbone_config`` that is not a config, a dict or ``None``, as transformers
+    raises for its other nested configs (a model_type string names no settings: the config says what to build)."""
+    if backbone_config is None or isinstance(backbone_config, (dict, PreTrainedConfig)):
+        return
+    if isinstance(backbone_config, str):
+        got = f"the string {backbone_config!r}: pass AutoConfig.for_model({backbone_config!r}) instead"
+    else:
+        got = type(backbone_config).__name__
+    raise TypeError(
+        "MHCConfig's backbone_config must be the backbone's config (e.g. LlamaConfig(...)), its dict with a "
+        f"model_type, or None for the default Llama; got {got}."
+    )
 
 
 def backbone_wiring(model_type: str | None) -> BackboneWiring:

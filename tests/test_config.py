@@ -168,6 +168,18 @@ def test_unsupported_backbone_lists_the_supported_ones(backbone):
         MHCConfig(backbone_config=backbone)
 
 
+@pytest.mark.parametrize(("backbone", "got"), [
+    ("llama", r"got the string 'llama': pass AutoConfig.for_model\('llama'\) instead\.$"),
+    (5, "got int.$"),
+], ids=["string", "int"])
+def test_a_backbone_config_of_another_type_says_what_to_pass(backbone, got):
+    """transformers refuses a string for its other nested configs; as ``backbone_config`` it used to pass through
+    unchanged and fail deep inside with ``'str' object has no attribute '_attn_implementation'``."""
+    with pytest.raises(TypeError, match="^MHCConfig's backbone_config must be the backbone's config .*" + got) as error:
+        MHCConfig(backbone_config=backbone)
+    assert "\n" not in str(error.value)
+
+
 def test_invalid_hc_init_is_rejected():
     with pytest.raises((ValueError, TypeError), match="hc_init"):
         MHCConfig(backbone_config=tiny_backbone_config("llama"), hc_init="zeros")

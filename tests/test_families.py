@@ -216,7 +216,7 @@ def test_trust_remote_code_load_without_the_plugin(family, remote_code_logits):
     assert_logits_close(remote, local, rtol=1e-5)
 
 
-# MoE sources are saved in the published one-tensor-per-expert layout, which hf-mhc convert does not yet fuse (below).
+# MoE families: test_convert_streams_a_published_moe_checkpoint_as_it_is (the published layout, verified) below.
 @pytest.mark.parametrize("family", DENSE_FAMILIES)
 def test_convert_of_the_saved_source(family, tmp_path, capsys):
     source = source_model(family)
