@@ -120,7 +120,7 @@ def assert_logits_close(got: torch.Tensor, expected: torch.Tensor, rtol: float |
     the checkpoint file, at other addresses and alignments, which BLAS kernels may block differently on another CPU).
     """
     scale = expected.abs().max().item()
-    bound = logit_tolerance(torch.float32, scale) if rtol is None else rtol * max(1.0, scale)
+    bound = logit_tolerance(scale) if rtol is None else rtol * max(1.0, scale)
     difference = (got - expected).abs().max().item()
     assert difference <= bound, f"max |Δ| = {difference:.3g} > {bound:.3g} (logit scale {scale:.3g})"
 
@@ -145,7 +145,7 @@ def assert_same_greedy_decoding(got, expected) -> None:
     for step, (got_logits, expected_logits) in enumerate(zip(got.logits, expected.logits, strict=True)):
         assert_logits_close(got_logits, expected_logits)
         top2 = expected_logits.float().topk(2, dim=-1).values
-        tie = (top2[:, 0] - top2[:, 1] <= logit_tolerance(torch.float32, expected_logits.abs().max().item())).any()
+        tie = (top2[:, 0] - top2[:, 1] <= logit_tolerance(expected_logits.abs().max().item())).any()
         if tie:
             return
         chosen = got.sequences[:, step - new], expected.sequences[:, step - new]
