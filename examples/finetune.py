@@ -24,8 +24,8 @@ base was upcycled here (the adapter names it as its base) and merged/ with --mer
 Trainer checkpoint goes to OUTPUT_DIR/checkpoint-STEP (the last --save-total-limit are kept): after a crash, run the
 same command with --resume to continue from the newest complete one. Trainer writes trainer_state.json last, so a
 checkpoint without it (or with it cut short) is an interrupted save: --resume skips it, says so and leaves it (the
-resumed run saves that step again), and refuses a checkpoint it names that is incomplete, damaged (a file cut short)
-or not a Trainer's, in one line.
+resumed run would save into it, so --resume refuses to run until it is moved away: nothing is replaced), and refuses
+a checkpoint it names that is incomplete, damaged (a file cut short) or not a Trainer's, in one line.
 
 --overwrite reuses the folder of an earlier run: before training it deletes that run's model, adapter and tokenizer
 files (with the mHC code files saved beside a model), its PEFT model card, merged/, upcycled_base/ and checkpoint-*/
@@ -64,6 +64,7 @@ from example_utils import (  # noqa: E402
     JANEAUSTEN,
     STORIES260K,
     add_shared_option,
+    checkpoint_folders,
     checkpoint_step,
     checkpoint_to_resume,
     damaged_file,
@@ -110,6 +111,8 @@ TRAINER_CHECKPOINT_PARTS = {
     "optimizer state": ("optimizer.pt", "optimizer.bin", "optimizer_0"),
     "scheduler state": ("scheduler.pt",),
 }
+# The trainer_state.json fields Trainer reads on resuming, and their types.
+TRAINER_STATE_FIELDS = {"global_step": int, "train_batch_size": int, "log_history": list}
 
 
 def mhc_code_files() -> set[str]:
@@ -318,9 +321,19 @@ def resume_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace,
         return None
     checkpoint, state, skipped = checkpoint_to_resume(parser, args.resume, out)
     try:
-        TrainerState(**state)  # as Trainer reads it
+        trainer_state = TrainerState(**state)  # as Trainer reads it
     except TypeError as error:
         parser.error(f"--resume {checkpoint}: trainer_state.json is not a Trainer state ({first_line(error)})")
+    wrong = [name for name, kind in TRAINER_STATE_FIELDS.items()
+             if not isinstance(getattr(trainer_state, name), kind) or isinstance(getattr(trainer_state, name), bool)]
+    if wrong:
+        parser.error(f"--resume {checkpoint}: trainer_state.json is not a Trainer state ({', '.join(wrong)} missing "
+                     "or not of Trainer's type)")
+    step = trainer_state.global_step
+    later = [folder for folder in checkpoint_folders(out) if checkpoint_step(folder) > step]
+    if later:
+        parser.error(f"--resume {checkpoint} continues at step {step}, and Trainer would save into {later[-1].name}, "
+                     "which --output-dir already holds: move it away first (nothing is replaced)")
     for part, names in TRAINER_CHECKPOINT_PARTS.items():
         if not any((checkpoint / name).exists() for name in names):
             parser.error(f"--resume {checkpoint}: no {part} ({names[0]}) in it: not a whole Trainer checkpoint")
@@ -526,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     texts, corpus = load_texts(parser, args)
     with training_args.main_process_first(desc="tokenise"):
         blocks = dataset_token_blocks(texts, tokenizer, args.text_column, args.block_size)
+    if not len(blocks):
+        parser.error(f"the dataset gives 0 blocks of {args.block_size} tokens: add text or lower --block-size")
     if len(blocks) <= args.eval_blocks:
         parser.error(f"the dataset gives only {len(blocks)} blocks of {args.block_size} tokens; need more than "
                      f"--eval-blocks {args.eval_blocks}")

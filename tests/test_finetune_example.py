@@ -304,6 +304,7 @@ def test_paths_data_and_integrations_are_checked_before_training(
     (data / "numbers.jsonl").write_text('{"text": 1}\n{"text": 2}\n')
     (data / "lists.jsonl").write_text('{"text": ["a", "b"]}\n')
     (data / "no_text.jsonl").write_text('{"text": ""}\n{"text": null}\n')
+    (data / "spaces.jsonl").write_text('{"text": "   "}\n')
     (data / "no_texts").mkdir()
     (data / "no_texts" / "README").write_text("x")
     out = ["--output-dir", str(tmp_path / "out")]
@@ -313,6 +314,7 @@ def test_paths_data_and_integrations_are_checked_before_training(
         "numbers.jsonl": "holds Value('int64'), not text",
         "lists.jsonl": "not text",
         "no_text.jsonl": "no text to train on (every 'text' is empty or null)",
+        "spaces.jsonl": "the dataset gives 0 blocks of 16 tokens: add text or lower --block-size",
         "nothing*.txt": "no file matches",
         "missing.txt": "no such file or folder",
         "no_texts": "files in this folder",
@@ -425,11 +427,17 @@ def test_resume_skips_a_checkpoint_whose_save_was_cut_short(
         return training_step(self, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "training_step", record)
+    # Trainer would save step 2 into the incomplete checkpoint-2: refused until it is moved away, nothing replaced
+    assert (f"--resume {out / 'checkpoint-1'} continues at step 1, and Trainer would save into checkpoint-2, which "
+            "--output-dir already holds: move it away first") in usage_error(
+        example, [*run, "--output-dir", str(out), "--resume"], capsys)
+    assert steps == [] and not (out / "checkpoint-2" / "trainer_state.json").exists()
+    (out / "checkpoint-2").rename(tmp_path / "interrupted-checkpoint-2")
     assert example.main([*run, "--output-dir", str(out), "--resume"]) == 0
-    assert (f"resuming from {out / 'checkpoint-1'}; skipped: checkpoint-2 (incomplete: "
-            "trainer_state.json is missing)") in capsys.readouterr().out
+    assert f"resuming from {out / 'checkpoint-1'}" in capsys.readouterr().out
     assert steps == [2, 3]
-    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2  # saved again
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
+    assert (tmp_path / "interrupted-checkpoint-2" / "model.safetensors").is_file()
 
 
 def test_resume_refuses_a_damaged_checkpoint_or_one_not_of_trainer(
@@ -455,6 +463,20 @@ def test_resume_refuses_a_damaged_checkpoint_or_one_not_of_trainer(
         assert f"--resume {damaged / 'checkpoint-1'}: {message}" in usage_error(
             example, [*run, "--output-dir", str(damaged), "--resume"], capsys
         )
+
+    for state in ({}, {"global_step": 1, "log_history": 5}, {"global_step": "x"}):  # JSON, but not Trainer's fields
+        foreign = tmp_path / f"foreign_{len(state)}_{'x' in str(state)}"
+        shutil.copytree(out, foreign)
+        (foreign / "checkpoint-1" / "trainer_state.json").write_text(json.dumps(state))
+        capsys.readouterr()
+        assert f"--resume {foreign / 'checkpoint-1'}: trainer_state.json is not a Trainer state" in usage_error(
+            example, [*run, "--output-dir", str(foreign), "--resume", str(foreign / "checkpoint-1")], capsys)
+    later = tmp_path / "later"  # resuming an older checkpoint would make Trainer save over a newer one
+    shutil.copytree(out, later)
+    shutil.copytree(later / "checkpoint-1", later / "checkpoint-5")
+    capsys.readouterr()
+    assert "would save into checkpoint-5, which --output-dir already holds" in usage_error(
+        example, [*run, "--output-dir", str(later), "--resume", str(later / "checkpoint-1")], capsys)
 
     # a checkpoint of examples/pipeline_finetune.py has a trainer_state.json of its own
     mhc_dir = tmp_path / "mhc"
