@@ -83,6 +83,17 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # the families the older, fam
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 DENSE_FAMILIES = tuple(family for family in FAMILY_SETTINGS if family not in MOE_FAMILIES)
 
+# Changes to a tiny Llama's config.json, and the reason the examples give in their one-line error: two configs that
+# transformers' validation or attention rejects, and one whose weights no longer fit it.
+REJECTED_CONFIGS = [
+    ({"hidden_size": 100, "num_attention_heads": 3},
+     "The hidden size (100) is not a multiple of the number of attention heads (3)."),
+    ({"num_key_value_heads": 3},
+     "num_attention_heads (4) is not a multiple of num_key_value_heads (3): each key/value head serves the same "
+     "number of query heads."),
+    ({"intermediate_size": 40}, "its weights do not fit its config.json (model.layers.0.mlp.down_proj.weight is "),
+]
+
 
 @pytest.fixture(autouse=True)
 def _seed():

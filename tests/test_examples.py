@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import import_script, tiny_backbone_config
+from conftest import REJECTED_CONFIGS, import_script, tiny_backbone_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -68,14 +68,7 @@ def quickstart():
 
 @pytest.mark.parametrize(
     ("config", "message"),
-    [
-        ({"hidden_size": 100, "num_attention_heads": 3},
-         "The hidden size (100) is not a multiple of the number of attention heads (3)."),
-        ({"num_key_value_heads": 3},
-         "num_attention_heads (4) is not a multiple of num_key_value_heads (3): each key/value head serves the same "
-         "number of query heads."),
-        ({"intermediate_size": 40}, "its weights do not fit its config.json (model.layers.0.mlp.down_proj.weight is "),
-    ],
+    REJECTED_CONFIGS,
 )
 def test_quickstart_refuses_a_config_transformers_rejects_in_one_line(quickstart, config, message, byte_tokenizer,
                                                                       tmp_path, capsys):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import (
     JANEAUSTEN,
+    REJECTED_CONFIGS,
     STORIES260K,
     assert_logits_close,
     assert_same_weights,
@@ -503,14 +504,7 @@ def test_empty_texts_are_skipped(example, tiny_llama_dir, tmp_path, datasets_cac
 
 @pytest.mark.parametrize(
     ("config", "message"),
-    [
-        ({"hidden_size": 100, "num_attention_heads": 3},
-         "The hidden size (100) is not a multiple of the number of attention heads (3)."),
-        ({"num_key_value_heads": 3},
-         "num_attention_heads (4) is not a multiple of num_key_value_heads (3): each key/value head serves the same "
-         "number of query heads."),
-        ({"intermediate_size": 40}, "its weights do not fit its config.json (model.layers.0.mlp.down_proj.weight is "),
-    ],
+    REJECTED_CONFIGS,
 )
 def test_a_config_transformers_rejects_is_a_one_line_error(example, config, message, tiny_llama_dir, tmp_path, capsys):
     model = tmp_path / "model"
