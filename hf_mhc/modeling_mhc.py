@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import sys
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
@@ -48,7 +47,16 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import OutputRecorder
 
 from .configuration_mhc import MHCConfig, backbone_wiring, check_backbone_type
-from .mhc_reference import map_sizes, mhc_coeffs, mhc_coeffs_pre, mhc_head, mhc_post_res, scale_size, sinkhorn
+from .mhc_reference import (
+    function_preserving_hc_base,
+    function_preserving_head_base,
+    map_sizes,
+    mhc_coeffs,
+    mhc_coeffs_pre,
+    mhc_head,
+    mhc_post_res,
+    scale_size,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -468,86 +476,6 @@ def run_decoder_layers(
     if output_hidden_states:
         all_hidden_states += (streams,)
     return streams, all_hidden_states, all_attentions
-
-
-def _logit(p: float) -> float:
-    return math.log(p / (1.0 - p))
-
-
-def function_preserving_hc_base(config: MHCConfig, sublayer_index: int) -> torch.Tensor:
-    """``base`` (the ``map_sizes`` layout of ``config.hc_residual_map``) of the function-preserving initialisation,
-    with ``fn = 0`` (so every map equals its static part).
-
-    Why the stream mean ``m = mean_i X[i]`` then follows the residual network, ``m <- m + F(m)``: the merge gives
-    ``mean_i X'[i] = mean(post) · y + (1/n) Σ_j (Σ_i comb[j, i]) X[j]``, and the collapse ``y = F(Σ_i pre[i] X[i])``.
-    With ``pre = 1/n`` the sublayer sees ``F(m)``; with ``mean(post) = 1`` and every row of ``comb`` summing to 1
-    the new mean is ``m + F(m)``. The streams start as copies of the embedding and the head averages them, so the
-    model computes its backbone. Per map:
-
-    - ``"sinkhorn"``: ``pre = 1/n`` exactly and ``comb_b = c·I``. A symmetric ``comb`` has equal row and column sums
-      ``s``, which the ``hc_eps`` terms of Sinkhorn make ``1 - O(hc_eps)``, so each site scales the stream mean by
-      ``s``. The ``post`` values of site ``k`` are ``s^(k+1) · 2σ(±j·δ)`` in pairs (``j = 1, 2, ...``; ``s^(k+1)``
-      alone for odd n): their mean ``s^(k+1)`` scales the sublayer output like the residual, so the stream mean after
-      site ``k`` is exactly ``s^(k+1)`` times the residual network's hidden state. Pre-norm sublayers and the final
-      norm cancel that uniform scale, so the model reproduces its backbone to float32 rounding rather than to
-      ``hc_eps · depth``.
-    - ``"unconstrained"``: ``pre_b = 1/n``, ``post_b = 2σ(±j·δ)`` (mean 1), ``comb_b = I``: exact.
-    - ``"identity"``: ``pre = 1/n`` as mHC, ``post = m·σ(post_b) + hc_eps = 2σ(±j·δ)`` (``m = hc_post_magnitude``),
-      ``comb = I``: exact.
-    - ``"permutations"``: ``pre`` and ``post`` as mHC (``post_b = ±j·δ``), ``comb_b`` zero but for the identity
-      permutation's weight, chosen so that ``comb``'s diagonal is that of ``softmax(c·I)`` (the mHC start); ``comb``
-      is a convex combination of permutation matrices, so its rows sum to 1 exactly: exact.
-
-    Distinct ``j·δ`` keep every stream different (identical streams would get identical gradients forever).
-    """
-    n, eps, residual_map = config.hc_mult, config.hc_eps, config.hc_residual_map
-    half_post = torch.full((n,), 0.5, dtype=torch.float64)  # σ(±j·δ) in pairs, 0.5 for the odd one: mean 1/2
-    for pair in range(n // 2):
-        half_post[2 * pair] = torch.sigmoid(torch.tensor((pair + 1) * config.hc_init_post_delta, dtype=torch.float64))
-        half_post[2 * pair + 1] = 1.0 - half_post[2 * pair]
-    sigmoid_pre_b = torch.full((n,), _logit(1.0 / n - eps), dtype=torch.float64)
-    if residual_map == "unconstrained":
-        parts = [torch.full((n,), 1.0 / n, dtype=torch.float64), 2 * half_post, torch.eye(n, dtype=torch.float64)]
-    elif residual_map == "identity":
-        magnitude = config.hc_post_magnitude
-        sigmoid_post = (2 * half_post - eps) / magnitude
-        if not bool(((sigmoid_post > 0) & (sigmoid_post < 1)).all()):
-            raise ValueError(f"hc_post_magnitude={magnitude!r} cannot give the function-preserving post values "
-                             f"(up to {2 * half_post.max().item():.4f}); use a larger hc_post_magnitude or a smaller "
-                             f"hc_init_post_delta.")
-        parts = [sigmoid_pre_b, torch.logit(sigmoid_post)]
-    elif residual_map == "permutations":
-        parts = [sigmoid_pre_b, torch.logit(half_post), _identity_permutation_bias(config)]
-    else:
-        comb_b = config.hc_init_comb_diag * torch.eye(n, dtype=torch.float64)
-        row_sum = sinkhorn(comb_b.float(), config.hc_sinkhorn_iters, eps).double().sum(-1).mean()
-        post_mean = row_sum ** (sublayer_index + 1)
-        parts = [sigmoid_pre_b, torch.logit(post_mean * half_post), comb_b]
-    return torch.cat([part.flatten() for part in parts]).float()
-
-
-def _identity_permutation_bias(config: MHCConfig) -> torch.Tensor:
-    """``comb_b [n!]`` of the permutations map: ``b`` on the identity (the first permutation), 0 elsewhere. Then
-    ``comb = w·I + (1 - w)/(n! - 1) · ((n-1)!·J - I)`` (each entry is 1 in ``(n-1)!`` permutations) with
-    ``w = e^b / (e^b + n! - 1)``; ``b`` makes its diagonal ``d = e^c / (e^c + n - 1)``, the diagonal of mHC's start
-    ``softmax(c·I)`` (``c = hc_init_comb_diag``): ``w = (d - r) / (1 - r)`` with ``r = ((n-1)! - 1) / (n! - 1)``."""
-    n, c = config.hc_mult, config.hc_init_comb_diag
-    bias = torch.zeros(math.factorial(n), dtype=torch.float64)
-    if n == 1:
-        return bias
-    diagonal = math.exp(c) / (math.exp(c) + n - 1)
-    others = (math.factorial(n - 1) - 1) / (math.factorial(n) - 1)
-    weight = (diagonal - others) / (1 - others)
-    if not 0 < weight < 1:
-        raise ValueError(f"hc_init_comb_diag={c!r} is too small for hc_residual_map='permutations': comb's diagonal "
-                         f"{diagonal:.4f} would need a negative weight; use hc_init_comb_diag >= 0.")
-    bias[0] = math.log(weight * (math.factorial(n) - 1) / (1 - weight))
-    return bias
-
-
-def function_preserving_head_base(config: MHCConfig) -> torch.Tensor:
-    """``hc_base [n]`` making the head average the streams: ``pre_h = 1/n`` exactly (with ``hc_fn = 0``)."""
-    return torch.full((config.hc_mult,), _logit(1.0 / config.hc_mult - config.hc_eps), dtype=torch.float32)
 
 
 def function_preserving_hc_tensors(config: MHCConfig) -> dict[str, torch.Tensor]:
