@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import socket
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 # The op tests run on TEST_DEVICE: "cpu" (default) runs the Triton kernels in the interpreter, which must be switched
@@ -18,6 +23,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
+from hf_mhc.cli import main as hf_mhc_main  # noqa: E402
 from hf_mhc.conversion.verify import logit_tolerance  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
@@ -161,3 +167,127 @@ def assert_same_greedy_decoding(got, expected) -> None:
             return
         chosen = got.sequences[:, step - new], expected.sequences[:, step - new]
         assert torch.equal(*chosen), f"greedy step {step}: tokens {chosen[0].tolist()} != {chosen[1].tolist()}"
+
+
+# --- Saved folders and remote code --------------------------------------------------------------------------------
+
+REMOTE_CODE_FILES = {"configuration_mhc.py", "modeling_mhc.py", "mhc_reference.py"}
+
+LOAD_WITHOUT_PLUGIN = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hf_mhc"] = None  # `import hf_mhc` now raises ImportError
+    import torch
+    from transformers import AutoModelForCausalLM
+    folder, ids_file, out_file = sys.argv[1:]
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    assert not type(model).__module__.startswith("hf_mhc"), type(model).__module__
+    with torch.no_grad():
+        torch.save(model(torch.load(ids_file)).logits, out_file)
+    print(type(model).__module__)
+    """
+)
+
+
+def remote_code_logits(folder: Path, ids: torch.Tensor, work: Path) -> torch.Tensor:
+    """The logits of ``folder`` loaded with ``trust_remote_code=True`` in a process where ``hf_mhc`` cannot be
+    imported (its own copy of the modeling code, from ``transformers_modules``)."""
+    torch.save(ids, work / "ids.pt")
+    env = {**os.environ, "HF_HOME": str(work / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_PLUGIN, str(folder), str(work / "ids.pt"), str(work / "out.pt")],
+        env=env, capture_output=True, text=True, timeout=300, cwd=work,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1].startswith("transformers_modules"), result.stdout
+    return torch.load(work / "out.pt")
+
+
+def assert_ordinary_mhc_folder(folder: Path) -> None:
+    """``folder`` is what ``save_pretrained`` writes for an unwrapped mHC causal LM."""
+    from hf_mhc.modeling_mhc import AUTO_MAP
+
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP, config["auto_map"]
+    assert config["architectures"] == ["MHCForCausalLM"], config["architectures"]
+    assert {path.name for path in folder.glob("*.py")} == REMOTE_CODE_FILES
+
+
+# --- torchrun on loopback -------------------------------------------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parent
+WORKERS = TESTS / "distributed_workers"
+EXAMPLES = TESTS.parent / "examples"
+WORLD_SIZE = 2
+LAUNCH_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def torchrun(script: Path, *args: str, cwd: Path) -> str:
+    """Run ``script`` on two gloo ranks; return its output, fail with its tail."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={WORLD_SIZE}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(script),
+        *args,
+    ]
+    # The ranks use the caller's thread count (1 unless OMP_NUM_THREADS says otherwise): the tolerances must hold
+    # for any.
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(
+        command,
+        cwd=cwd,  # not the repository root: its kernels/ folder would shadow Hugging Face's `kernels` package
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{script.name} {' '.join(args)} failed:\n{output[-6000:]}"
+    return output
+
+
+# --- hf-mhc convert -------------------------------------------------------------------------------------------------
+
+
+def save_source(folder: Path, family: str = "llama", *, tied: bool = False, max_shard_size: str | None = None):
+    """A tiny random ``family`` causal LM saved to ``folder`` (sharded with an index when ``max_shard_size``).
+
+    ``initializer_range=0.2`` gives logits of a few units, so the 1e-4 comparisons are not trivially small."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_backbone_config(family, tie_word_embeddings=tied, initializer_range=0.2)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(folder, **kwargs)
+    return model
+
+
+def convert(capsys, *args: str) -> tuple[int, str, str]:
+    """Run ``hf-mhc convert ARGS`` in-process; returns the exit status, stdout and stderr."""
+    capsys.readouterr()
+    status = hf_mhc_main(["convert", *map(str, args)])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def assert_one_line_error(status: int, err: str, *fragments: str) -> None:
+    lines = [line for line in err.splitlines() if line.startswith("hf-mhc convert: error: ")]
+    assert status == 1 and len(lines) == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def leftovers(parent: Path) -> list[str]:
+    """Hidden staging or replaced folders left beside an output folder."""
+    return [entry.name for entry in parent.iterdir() if ".hf-mhc-" in entry.name]

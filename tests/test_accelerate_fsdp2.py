@@ -15,8 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import tiny_backbone_config
-from test_distributed import WORKERS, torchrun
+from conftest import WORKERS, tiny_backbone_config, torchrun
 
 from hf_mhc import MHCConfig, MHCForCausalLM
 from hf_mhc.accelerate_fsdp2 import install, shard_hyper_connections

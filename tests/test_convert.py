@@ -12,7 +12,16 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import torch
-from conftest import FAMILIES, STORIES260K, VOCAB, tiny_backbone_config
+from conftest import (
+    FAMILIES,
+    STORIES260K,
+    VOCAB,
+    assert_one_line_error,
+    convert,
+    leftovers,
+    save_source,
+    tiny_backbone_config,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaForSequenceClassification
@@ -26,37 +35,6 @@ from hf_mhc.conversion import ConversionError, convert_checkpoint, is_hc_paramet
 from hf_mhc.conversion.safetensors_stream import SafetensorsStreamWriter, TensorSpec, aligned_order, parse_size
 
 HF_MHC_SCRIPT = Path(sys.executable).with_name("hf-mhc")
-
-
-def save_source(folder: Path, family: str = "llama", *, tied: bool = False, max_shard_size: str | None = None):
-    """A tiny random ``family`` causal LM saved to ``folder`` (sharded with an index when ``max_shard_size``).
-
-    ``initializer_range=0.2`` gives logits of a few units, so the 1e-4 comparisons are not trivially small."""
-    config = tiny_backbone_config(family, tie_word_embeddings=tied, initializer_range=0.2)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(folder, **kwargs)
-    return model
-
-
-def convert(capsys, *args: str) -> tuple[int, str, str]:
-    """Run ``hf-mhc convert ARGS`` in-process; returns the exit status, stdout and stderr."""
-    capsys.readouterr()
-    status = main(["convert", *map(str, args)])
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
-
-
-def assert_one_line_error(status: int, err: str, *fragments: str) -> None:
-    lines = [line for line in err.splitlines() if line.startswith("hf-mhc convert: error: ")]
-    assert status == 1 and len(lines) == 1 and "Traceback" not in err, err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-
-
-def leftovers(parent: Path) -> list[str]:
-    """Hidden staging or replaced folders left beside an output folder."""
-    return [entry.name for entry in parent.iterdir() if ".hf-mhc-" in entry.name]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -18,9 +18,8 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import torch
-from conftest import VOCAB, tiny_backbone_config
+from conftest import VOCAB, assert_one_line_error, convert, leftovers, save_source, tiny_backbone_config
 from safetensors.torch import load_file
-from test_convert import assert_one_line_error, convert, leftovers, save_source
 from transformers import AutoModelForCausalLM
 
 import hf_mhc

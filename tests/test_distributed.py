@@ -8,67 +8,29 @@ tests read its output.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import FAMILIES, VOCAB, import_script, tiny_backbone_config
-from test_remote_code import remote_code_logits
+from conftest import (
+    EXAMPLES,
+    FAMILIES,
+    VOCAB,
+    WORKERS,
+    WORLD_SIZE,
+    assert_ordinary_mhc_folder,
+    import_script,
+    remote_code_logits,
+    tiny_backbone_config,
+    torchrun,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_mhc import MHCConfig, MHCForCausalLM, MHCModel
 from hf_mhc.distributed import apply_fsdp2, pipeline_layer_split, split_pipeline
-from hf_mhc.modeling_mhc import AUTO_MAP
-
-TESTS = Path(__file__).resolve().parent
-WORKERS = TESTS / "distributed_workers"
-EXAMPLES = TESTS.parent / "examples"
-WORLD_SIZE = 2
-LAUNCH_TIMEOUT_S = 180
-REMOTE_CODE_FILES = {"configuration_mhc.py", "modeling_mhc.py", "mhc_reference.py"}
 
 needs_distributed = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def torchrun(script: Path, *args: str, cwd: Path) -> str:
-    """Run ``script`` on two gloo ranks; return its output, fail with its tail."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={WORLD_SIZE}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(script),
-        *args,
-    ]
-    # The ranks use the caller's thread count (1 unless OMP_NUM_THREADS says otherwise): the tolerances must hold
-    # for any.
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run(
-        command,
-        cwd=cwd,  # not the repository root: its kernels/ folder would shadow Hugging Face's `kernels` package
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=LAUNCH_TIMEOUT_S,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f"{script.name} {' '.join(args)} failed:\n{output[-6000:]}"
-    return output
 
 
 def tiny_mhc(family: str = "llama", num_layers: int = 4, **backbone_overrides) -> MHCForCausalLM:
@@ -81,14 +43,6 @@ def run_stages(stages, input_ids: torch.Tensor) -> torch.Tensor:
     for stage in stages:
         activations = stage(activations)
     return activations
-
-
-def assert_ordinary_mhc_folder(folder: Path) -> None:
-    """``folder`` is what ``save_pretrained`` writes for an unwrapped mHC causal LM."""
-    config = json.loads((folder / "config.json").read_text())
-    assert config["auto_map"] == AUTO_MAP, config["auto_map"]
-    assert config["architectures"] == ["MHCForCausalLM"], config["architectures"]
-    assert {path.name for path in folder.glob("*.py")} == REMOTE_CODE_FILES
 
 
 def assert_loads_without_the_plugin(folder: Path, work: Path) -> None:

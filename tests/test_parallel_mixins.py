@@ -14,9 +14,8 @@ from __future__ import annotations
 import unittest
 import unittest.mock
 
-from test_transformers_common import MHCModelTester
 from transformers import Qwen3MoeConfig
-from transformers_suite import import_parallel_mixins
+from transformers_suite import MHCModelTester, import_parallel_mixins
 
 from hf_mhc import MHCForCausalLM, MHCForSequenceClassification, MHCModel
 

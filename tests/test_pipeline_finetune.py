@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import import_script
+from conftest import EXAMPLES, WORKERS, assert_ordinary_mhc_folder, free_port, import_script, torchrun
 from safetensors.torch import load_file
-from test_distributed import EXAMPLES, WORKERS, assert_ordinary_mhc_folder, free_port, torchrun
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_mhc

@@ -2,45 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import torch
-from conftest import VOCAB, tiny_backbone_config
+from conftest import VOCAB, remote_code_logits, tiny_backbone_config
 
 from hf_mhc import MHCConfig, MHCForCausalLM
-
-LOAD_WITHOUT_PLUGIN = textwrap.dedent(
-    """
-    import sys
-    sys.modules["hf_mhc"] = None  # `import hf_mhc` now raises ImportError
-    import torch
-    from transformers import AutoModelForCausalLM
-    folder, ids_file, out_file = sys.argv[1:]
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-    assert not type(model).__module__.startswith("hf_mhc"), type(model).__module__
-    with torch.no_grad():
-        torch.save(model(torch.load(ids_file)).logits, out_file)
-    print(type(model).__module__)
-    """
-)
-
-
-def remote_code_logits(folder: Path, ids: torch.Tensor, work: Path) -> torch.Tensor:
-    """The logits of ``folder`` loaded with ``trust_remote_code=True`` in a process where ``hf_mhc`` cannot be
-    imported (its own copy of the modeling code, from ``transformers_modules``)."""
-    torch.save(ids, work / "ids.pt")
-    env = {**os.environ, "HF_HOME": str(work / "hf_home"), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", LOAD_WITHOUT_PLUGIN, str(folder), str(work / "ids.pt"), str(work / "out.pt")],
-        env=env, capture_output=True, text=True, timeout=300, cwd=work,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split()[-1].startswith("transformers_modules"), result.stdout
-    return torch.load(work / "out.pt")
 
 
 def test_saved_folder_loads_with_remote_code_without_the_plugin(tmp_path):

@@ -13,7 +13,16 @@ import math
 
 import pytest
 import torch
-from conftest import VOCAB, assert_logits_close, assert_same_weights, tiny_backbone_config
+from conftest import (
+    VOCAB,
+    assert_logits_close,
+    assert_one_line_error,
+    assert_same_weights,
+    convert,
+    remote_code_logits,
+    save_source,
+    tiny_backbone_config,
+)
 from test_ops import (  # noqa: F401 (autouse fixtures)
     as64,
     check_grads,
@@ -22,7 +31,6 @@ from test_ops import (  # noqa: F401 (autouse fixtures)
     on_test_device,
     ref_sinkhorn,
 )
-from test_remote_code import remote_code_logits
 
 from hf_mhc import MHCConfig, MHCForCausalLM
 from hf_mhc.kernels import mhc_coeffs, mhc_coeffs_pre, mhc_post_res
@@ -401,7 +409,6 @@ def test_identity_map_is_hy_v4s_hyper_connection(backend):
 def test_convert_with_a_residual_map_writes_it_and_verifies(tmp_path, capsys):
     """``hf-mhc convert --residual-map identity``: config.json keeps the map, the folder loads, verification passes
     (the map's function-preserving start reproduces the source), and the model card names the map."""
-    from test_convert import convert, save_source
 
     torch.set_default_device("cpu")
     source = save_source(tmp_path / "src", "qwen2")
@@ -418,7 +425,6 @@ def test_convert_with_a_residual_map_writes_it_and_verifies(tmp_path, capsys):
 
 
 def test_convert_refuses_permutations_of_five_streams_in_one_line(tmp_path, capsys):
-    from test_convert import assert_one_line_error, convert, save_source
 
     torch.set_default_device("cpu")
     save_source(tmp_path / "src", "llama")

@@ -31,6 +31,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
+from transformers import LlamaConfig
+
+from hf_mhc import MHCConfig, MHCForCausalLM, MHCForSequenceClassification, MHCModel
 
 PACKAGE = "transformers_tests"
 # Sub-modules that test_modeling_common imports but the sdist lacks, with the stand-in each gets.
@@ -253,3 +256,63 @@ def _get_rank_device(rank: int) -> torch.device:
 
 def _set_rank_device(rank: int) -> None:
     """CPU ranks need no device of their own."""
+
+
+class MHCModelTester:
+    """Tiny mHC models on a Llama backbone, with the attributes transformers' mixins read."""
+
+    base_model_class = MHCModel
+    causal_lm_class = MHCForCausalLM
+    sequence_classification_class = MHCForSequenceClassification
+    config_class = MHCConfig
+
+    def __init__(self, parent, batch_size: int = 3, seq_length: int = 7, hc_mult: int = 3):
+        self.parent = parent
+        self.batch_size = batch_size
+        self.seq_length = seq_length
+        self.hc_mult = hc_mult
+        self.is_training = True
+        self.vocab_size = 99
+        self.hidden_size = 32
+        self.num_hidden_layers = 2
+        self.num_attention_heads = 4
+        self.num_key_value_heads = 2
+        self.intermediate_size = 37
+        self.max_position_embeddings = 512
+        self.num_labels = 3
+        self.type_sequence_label_size = 2
+        self.pad_token_id = 0
+        self.bos_token_id = 1
+        self.eos_token_id = 2
+
+    @property
+    def all_model_classes(self):
+        return (self.base_model_class, self.causal_lm_class, self.sequence_classification_class)
+
+    def backbone_kwargs(self) -> dict:
+        """The tiny backbone's shape and special tokens, whatever its family."""
+        return dict(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            intermediate_size=self.intermediate_size,
+            max_position_embeddings=self.max_position_embeddings,
+            pad_token_id=self.pad_token_id,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+        )
+
+    def backbone_config(self):
+        return LlamaConfig(**self.backbone_kwargs())
+
+    def get_config(self) -> MHCConfig:
+        # DeepSeek-V4's random initialisation: the maps are token-dependent, so the checks see real mixing.
+        return MHCConfig(backbone_config=self.backbone_config(), hc_mult=self.hc_mult, hc_sinkhorn_iters=5,
+                         hc_init="deepseek_v4", num_labels=self.num_labels, pad_token_id=self.pad_token_id)
+
+    def prepare_config_and_inputs_for_common(self):
+        input_ids = import_transformers_tests()[0].ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
+        attention_mask = torch.tril(torch.ones_like(input_ids))
+        return self.get_config(), {"input_ids": input_ids, "attention_mask": attention_mask}
