@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .modeling_mhc import hc_modules, shard_hc_units
+from .distributed import hc_modules, shard_hc_units
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

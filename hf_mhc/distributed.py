@@ -1,43 +1,69 @@
-"""Distributed training of mHC models: FSDP2 sharding and pipeline-parallel stages.
+"""Distributed mHC models: FSDP2 units, transformers' ``DistributedConfig`` engine, and pipeline stages.
 
-- :func:`apply_fsdp2` shards an mHC model with FSDP2 (``torch.distributed.fsdp.fully_shard``): one unit per
-  decoder layer, one per float32 hyper-connection module (``attn_hc``, ``ffn_hc``, ``hc_head``) and the root.
-  FSDP2 flattens each unit's parameters into one buffer of one dtype, and the HC parameters stay float32 in a
-  bf16 model (``_keep_in_fp32_modules_strict``), so they cannot share a unit with the backbone weights.
+- :func:`apply_fsdp2` shards an mHC model with FSDP2 (``torch.distributed.fsdp.fully_shard``): one unit per decoder
+  layer, one per float32 hyper-connection module (``attn_hc``, ``ffn_hc``, ``hc_head``) and the root. FSDP2 flattens
+  each unit's parameters into one buffer of one dtype, and the HC parameters stay float32 in a bf16 model
+  (``_keep_in_fp32_modules_strict``), so they cannot share a unit with the backbone weights.
+- :func:`distribute_with_transformers` is what ``MHCPreTrainedModel.maybe_distribute_model`` runs under
+  ``from_pretrained(..., distributed_config=DistributedConfig(...))``: transformers' own engine, with the HC modules
+  sharded as float32 units of their own and, with ``pp_size > 1``, the streams ``[B, T, n, C]`` sent between stages.
 - :func:`split_pipeline` cuts an :class:`~hf_mhc.MHCForCausalLM` into stage modules for
-  ``torch.distributed.pipelining`` (``PipelineStage`` plus any schedule). Between stages travel the mHC streams
-  ``[B, T, n, C]``, which transformers' own pipeline plan (one hidden state ``[B, T, C]``) cannot carry.
+  ``torch.distributed.pipelining`` (``PipelineStage`` plus any schedule), which carry the streams between stages.
+
+This file ships beside ``modeling_mhc.py`` in saved checkpoints, so a checkpoint loaded as remote code distributes
+the same way.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
+import types
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from transformers.distributed.pipeline_parallel import PipelineIdentityLayer, PipelineStage, _bind_forward_kwargs
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .modeling_mhc import (
-    HC_MODULE_NAMES,
-    MHCDecoderLayer,
-    MHCForCausalLM,
-    MHCHyperHead,
-    MHCModel,
-    attention_masks,
-    expand_to_streams,
-    hc_modules,
-    rotary_embeddings,
-    run_decoder_layers,
-    scale_embeddings,
-    scale_logits,
-    shard_hc_units,
-)
+from .modeling_mhc import HC_MODULE_NAMES, MHCDecoderLayer, MHCForCausalLM, MHCHyperConnection, MHCHyperHead
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
+    from transformers.modeling_utils import PreTrainedModel
 
 __all__ = ["MHCPipelineStageModule", "apply_fsdp2", "split_pipeline"]
+
+
+# --- FSDP2 ----------------------------------------------------------------------------------------------------------
+
+
+def hc_mixed_precision() -> MixedPrecisionPolicy:
+    """The FSDP2 policy of the HC units (``apply_fsdp2``, ``DistributedConfig(fsdp_size=...)`` and Accelerate's FSDP2
+    path): gather and compute in the parameters' own dtype (float32), reduce gradients in float32, leave the streams
+    they receive and the maps they return uncast."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, output_dtype=None,
+                                cast_forward_inputs=False)
+
+
+def hc_modules(model: nn.Module) -> list[nn.Module]:
+    """The HC modules of ``model`` (``attn_hc``, ``ffn_hc``, ``hc_head``), in module order."""
+    return [module for module in model.modules() if isinstance(module, (MHCHyperConnection, MHCHyperHead))]
+
+
+def shard_hc_units(modules: Iterable[nn.Module], **fully_shard_options) -> None:
+    """``fully_shard`` each of ``modules`` as an FSDP2 unit of its own with :func:`hc_mixed_precision` (mesh,
+    resharding and offload as ``fully_shard_options`` say): the one way every FSDP2 path here shards the HC modules."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in modules:
+        fully_shard(module, mp_policy=hc_mixed_precision(), **fully_shard_options)
 
 
 def _mesh_device_type(model: nn.Module) -> str:
@@ -100,25 +126,146 @@ def apply_fsdp2(
     return model
 
 
-class _StageTrunk(nn.Module):
-    """The ``model.*`` part of one stage: the embedding (first stage), a slice of the decoder layers (keyed by their
-    index in the full model), ``hc_head`` and the final norm (last stage), and the parameter-free rotary
-    embedding (every stage)."""
+# --- transformers' DistributedConfig --------------------------------------------------------------------------------
 
-    def __init__(
-        self,
-        source: MHCModel,
-        layer_indices: range,
-        is_first: bool,
-        is_last: bool,
-    ):
-        super().__init__()
-        self.embed_tokens: nn.Embedding | None = source.embed_tokens if is_first else None
-        self.layers = nn.ModuleDict({str(index): source.layers[index] for index in layer_indices})
-        self.hc_head: MHCHyperHead | None = source.hc_head if is_last else None
-        self.norm: nn.Module | None = source.norm if is_last else None
-        self.rotary_emb = source.rotary_emb
-        self.rotary_per_layer_type = source.rotary_per_layer_type
+
+def distribute_with_transformers(distribute: Callable, model: PreTrainedModel, distributed_config, mesh_manager):
+    """transformers' ``maybe_distribute_model`` (``distribute``) for an mHC model.
+
+    With data parallelism (``fsdp_size`` or ``dp_replicate_size`` > 1) the HC modules become FSDP2 units of their own
+    first, gathered and computed in float32 and their gradients reduced in float32 even with
+    ``fsdp_mixed_precision=True`` (which gathers transformers' own units in bf16), on the mesh and with the CPU
+    offload transformers would give them; transformers then shards the rest, its plan less those units. With
+    ``pp_size > 1`` the stages exchange the streams ``[B, T, n, C]`` (:func:`_send_streams_between_stages`)."""
+    if mesh_manager is None:
+        return distribute(model, distributed_config, mesh_manager)
+    pipelined = distributed_config.pp_size > 1
+    if distributed_config.dp_size > 1:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        names = ("dp_replicate", "fsdp") if distributed_config.dp_replicate_size > 1 else "fsdp"
+        options = {"offload_policy": CPUOffloadPolicy()} if distributed_config.fsdp_cpu_offload else {}
+        shard_hc_units(hc_modules(model), mesh=mesh_manager.get_mesh(names), reshard_after_forward=True, **options)
+        hc_ids = {id(module) for module in hc_modules(model)}
+        hc_units = {name for name, module in model.named_modules() if id(module) in hc_ids}
+
+        def plans_without_hc_units(self, config):
+            tp_plan, ep_plan, fsdp_plan = type(self)._resolve_parallel_plans(self, config)
+            return tp_plan, ep_plan, {name: style for name, style in fsdp_plan.items() if name not in hc_units}
+
+        model._resolve_parallel_plans = types.MethodType(plans_without_hc_units, model)
+    if pipelined:
+        model._pp_forward_wrapped = True  # the forward that transformers would wrap sends [B, T, C]
+    try:
+        model = distribute(model, distributed_config, mesh_manager)
+    finally:
+        model.__dict__.pop("_resolve_parallel_plans", None)
+    if pipelined:
+        _send_streams_between_stages(model, mesh_manager.get_mesh("pp"))
+    return model
+
+
+class PipelineStageWithHCHead(PipelineStage):
+    """transformers' pipeline-stage metadata, knowing that ``hc_head`` (run before the final norm) is the last
+    stage's."""
+
+    def find_rank_for_key(self, key: str, num_layers: int, base_model_prefix: str) -> int | None:
+        if key.startswith(f"{base_model_prefix}.hc_head."):
+            return self.pp_size - 1
+        return super().find_rank_for_key(key, num_layers, base_model_prefix)
+
+
+def _send_streams_between_stages(model: PreTrainedModel, pp_mesh) -> None:
+    """Fit transformers' naive pipeline split (``apply_pipeline_parallelism``: the layers of other stages, and the
+    embedding, norm and ``lm_head`` where unused, replaced by ``PipelineIdentityLayer``) to mHC: ``hc_head`` is the
+    last stage's too, so a non-last stage's base model returns the streams, and ``forward`` sends and receives those
+    (:func:`_pipeline_streams_forward`)."""
+    model._pp_stage = PipelineStageWithHCHead(pp_mesh)
+    if not model._pp_stage.pp_is_last_stage:
+        model.base_model.hc_head = PipelineIdentityLayer()
+    original_forward = model.forward
+    signature = inspect.signature(original_forward)
+
+    @functools.wraps(original_forward)
+    def forward(*args, **kwargs):
+        return _pipeline_streams_forward(model, original_forward, signature, *args, **kwargs)
+
+    model.forward = forward
+
+
+def _pipeline_streams_forward(model: PreTrainedModel, original_forward: Callable, signature: inspect.Signature,
+                              *args, **kwargs) -> CausalLMOutputWithPast:
+    """transformers' ``pipeline_parallel_naive_forward`` with the streams as the hidden state: a non-first stage
+    receives ``[B, T, n, C]`` from the previous one and feeds it as ``inputs_embeds``, a non-last stage sends its base
+    model's streams on, and the logits ``[B, T, vocab]`` of the last stage are broadcast to every stage. A stage's
+    cache holds only its own layers, so with a cache the positions and masks are sized by the first layer of each
+    attention kind the stage runs. Returns the logits and this stage's cache."""
+    stage = model._pp_stage
+    device, dtype = model.device, model.dtype
+    forward_kwargs = _bind_forward_kwargs(signature, args, kwargs)
+    forward_kwargs.update(forward_kwargs.pop("kwargs", None) or {})
+    tokens = forward_kwargs.get("input_ids")
+    batch, length = (tokens if tokens is not None else forward_kwargs["inputs_embeds"]).shape[:2]
+    if not stage.pp_is_first_stage:
+        forward_kwargs.pop("input_ids", None)
+        shape = (batch, length, model.config.hc_mult, model.config.backbone_config.hidden_size)
+        forward_kwargs["inputs_embeds"] = stage.communicate("recv_forward", device=device, dtype=dtype, shape=shape)
+    cache = forward_kwargs.get("cache", forward_kwargs.get("past_key_values"))
+    if cache is not None:
+        forward_kwargs.update(_stage_positions_and_masks(model, cache, forward_kwargs, batch, length))
+    if stage.pp_is_last_stage:
+        outputs = original_forward(**forward_kwargs)
+        logits, cache = outputs.logits, outputs.cache
+    else:
+        base_kwargs = {k: v for k, v in forward_kwargs.items() if k not in {"labels", "logits_to_keep"}}
+        outputs = model.base_model(**base_kwargs)  # hc_head and norm are identities here: the streams
+        stage.communicate("send_forward", device=device, dtype=dtype, tensor=outputs.last_hidden_state)
+        logits, cache = None, outputs.cache
+    logits = stage.broadcast_from_last(logits, dtype=dtype, device=device)
+    return CausalLMOutputWithPast(logits=logits, cache=cache)
+
+
+def _stage_positions_and_masks(model: PreTrainedModel, cache, forward_kwargs: dict, batch: int, length: int) -> dict:
+    """``position_ids`` and the per-kind masks of a stage whose cache holds only its own layers: sized by the first
+    layer of each attention kind the stage runs (the model's defaults read the cache's first layer)."""
+    backbone = model.config.backbone_config
+    first_layer: dict[str, int] = {}
+    for index, layer in enumerate(model.base_model.layers):
+        if isinstance(layer, MHCDecoderLayer):
+            first_layer.setdefault(layer.attention_type, index)
+    updates = {}
+    position_ids = forward_kwargs.get("position_ids")
+    if position_ids is None:
+        past = cache.get_seq_length(min(first_layer.values()))
+        position_ids = (torch.arange(length, device=model.device) + past).unsqueeze(0)
+        updates["position_ids"] = position_ids
+    if not isinstance(forward_kwargs.get("attention_mask"), dict):
+        hidden = torch.zeros((), dtype=model.dtype, device=model.device).expand(batch, length, backbone.hidden_size)
+        build = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        mask_kwargs = dict(config=backbone, inputs_embeds=hidden, attention_mask=forward_kwargs.get("attention_mask"),
+                           cache=cache, position_ids=position_ids)
+        updates["attention_mask"] = {kind: build[kind](**mask_kwargs, layer_idx=first)
+                                     for kind, first in first_layer.items()}
+    return updates
+
+
+# --- Pipeline stages for torch.distributed.pipelining ----------------------------------------------------------------
+
+
+def pipeline_layer_split(num_layers: int, num_stages: int) -> list[range]:
+    """Decoder-layer indices of each stage: as even as possible, earlier stages taking the remainder (the last stage
+    also runs ``hc_head``, the final norm and ``lm_head``)."""
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}.")
+    if num_stages > num_layers:
+        raise ValueError(f"num_stages={num_stages} exceeds the model's {num_layers} decoder layers; use fewer stages.")
+    base, extra = divmod(num_layers, num_stages)
+    splits, start = [], 0
+    for stage in range(num_stages):
+        size = base + (1 if stage < extra else 0)
+        splits.append(range(start, start + size))
+        start += size
+    return splits
 
 
 class MHCPipelineStageModule(nn.Module):
@@ -135,14 +282,14 @@ class MHCPipelineStageModule(nn.Module):
     streams forward, their gradient backward). They are in the stage's compute dtype: the backbone weights' dtype,
     or float32 for float32 weights under ``torch.autocast``. ``boundary_dtype=torch.bfloat16`` sends them (and
     hence their gradient) in bf16 instead, half the bytes of float32; the receiving stage casts them back to its
-    :attr:`stream_dtype`. The streams are then rounded to bf16 once per boundary, as a bf16 model keeps them anyway.
+    :attr:`stream_dtype`.
 
-    Parameters keep the names they have in the full model (``model.layers.3.attn_hc.fn``, ``lm_head.weight``), so
-    ``stage.load_state_dict(full_state_dict, strict=False)`` fills a stage and stage state dicts merge into a full
-    checkpoint. Rotary position embeddings and the causal (and sliding-window) masks are rebuilt on every stage from
-    the sequence length: positions are ``0 .. T-1``, attention is causal, and there is no padding mask or KV cache.
-    For batches of unequal lengths, pad on the right and label the padding ``-100``: causal attention keeps it out of
-    the real tokens.
+    ``model`` is the full model's base model with the modules of other stages replaced by ``PipelineIdentityLayer``
+    (as transformers' own pipeline split does), so parameters keep the names they have in the full model
+    (``model.layers.3.attn_hc.fn``, ``lm_head.weight``): ``stage.load_state_dict(full_state_dict, strict=False)``
+    fills a stage and stage state dicts merge into a full checkpoint. Each stage runs the model's own forward with
+    positions ``0 .. T-1``, causal attention, no padding mask and no KV cache. For batches of unequal lengths, pad on
+    the right and label the padding ``-100``: causal attention keeps it out of the real tokens.
     """
 
     def __init__(
@@ -161,15 +308,22 @@ class MHCPipelineStageModule(nn.Module):
         self.num_stages = num_stages
         self.is_first = stage_index == 0
         self.is_last = stage_index == num_stages - 1
-        self.model = _StageTrunk(model.model, layer_indices, self.is_first, self.is_last)
+        trunk = copy.copy(model.model)  # the same modules, in a child table of its own
+        trunk._modules = dict(trunk._modules)
+        trunk.layers = nn.ModuleList([layer if index in layer_indices else PipelineIdentityLayer()
+                                      for index, layer in enumerate(model.model.layers)])
+        if not self.is_first:
+            trunk.embed_tokens = PipelineIdentityLayer()
+        if not self.is_last:
+            trunk.hc_head, trunk.norm = PipelineIdentityLayer(), PipelineIdentityLayer()
+        self.model = trunk
         self.lm_head = lm_head
-        self._attention_kinds = tuple(sorted({layer.attention_type for layer in self.model.layers.values()}))
 
     @property
     def stream_dtype(self) -> torch.dtype:
         """The dtype the stage computes its streams in: that of its backbone weights (the float32 HC modules
         aside)."""
-        layer = next(iter(self.model.layers.values()))
+        layer = next(layer for layer in self.model.layers if isinstance(layer, MHCDecoderLayer))
         hc_parameters = {id(parameter) for name in HC_MODULE_NAMES if hasattr(layer, name)
                          for parameter in getattr(layer, name).parameters()}
         return next(parameter.dtype for parameter in layer.parameters() if id(parameter) not in hc_parameters)
@@ -177,44 +331,18 @@ class MHCPipelineStageModule(nn.Module):
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """``input_ids [B, T]`` (first stage) or ``streams [B, T, n, C]`` in; ``streams [B, T, n, C]`` or, from the
         last stage, ``logits [B, T, vocab]`` out."""
-        trunk = self.model
-        backbone = self.config.backbone_config
-        if self.is_first:
-            if inputs.dim() != 2:
-                raise ValueError(f"Stage 0 takes input_ids [B, T]; got a tensor of shape {tuple(inputs.shape)}.")
-            embeddings = scale_embeddings(backbone, trunk.embed_tokens(inputs), from_tokens=True)
-            streams = expand_to_streams(embeddings, self.config.hc_mult)
-        else:
-            if inputs.dim() != 4:
-                raise ValueError(
-                    f"Stage {self.stage_index} takes streams [B, T, n, C]; got a tensor of shape {tuple(inputs.shape)}."
-                )
-            streams = inputs.to(self.stream_dtype)  # a no-op unless boundary_dtype rounded them
-            embeddings = streams[:, :, 0]  # stands for the [B, T, C] hidden state: shape, dtype and device only
-        position_ids = torch.arange(streams.shape[1], device=streams.device).unsqueeze(0)
-        position_embeddings = rotary_embeddings(trunk.rotary_emb, trunk.rotary_per_layer_type, self._attention_kinds,
-                                                embeddings, position_ids)
-        masks = attention_masks(backbone, self._attention_kinds, embeddings, None, None, position_ids)
-        streams, _, _ = run_decoder_layers(trunk.layers.values(), streams, masks, position_embeddings, position_ids)
-        if not self.is_last:
-            return streams if self.boundary_dtype is None else streams.to(self.boundary_dtype)
-        return scale_logits(backbone, self.lm_head(trunk.norm(trunk.hc_head(streams))))
-
-
-def pipeline_layer_split(num_layers: int, num_stages: int) -> list[range]:
-    """Decoder-layer indices of each stage: as even as possible, earlier stages taking the remainder (the last stage
-    also runs ``hc_head``, the final norm and ``lm_head``)."""
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}.")
-    if num_stages > num_layers:
-        raise ValueError(f"num_stages={num_stages} exceeds the model's {num_layers} decoder layers; use fewer stages.")
-    base, extra = divmod(num_layers, num_stages)
-    splits, start = [], 0
-    for stage in range(num_stages):
-        size = base + (1 if stage < extra else 0)
-        splits.append(range(start, start + size))
-        start += size
-    return splits
+        if self.is_first and inputs.dim() != 2:
+            raise ValueError(f"Stage 0 takes input_ids [B, T]; got a tensor of shape {tuple(inputs.shape)}.")
+        if not self.is_first and inputs.dim() != 4:
+            raise ValueError(
+                f"Stage {self.stage_index} takes streams [B, T, n, C]; got a tensor of shape {tuple(inputs.shape)}."
+            )
+        # The boundary_dtype cast is undone here; a no-op without it.
+        model_inputs = {"input_ids": inputs} if self.is_first else {"inputs_embeds": inputs.to(self.stream_dtype)}
+        if self.is_last:  # the causal LM's own forward: head read-out, final norm, lm_head, logit scaling
+            return MHCForCausalLM.forward(self, **model_inputs, use_cache=False).logits
+        streams = self.model(**model_inputs, use_cache=False).last_hidden_state  # hc_head and norm are identities
+        return streams if self.boundary_dtype is None else streams.to(self.boundary_dtype)
 
 
 def split_pipeline(

@@ -138,7 +138,7 @@ def test_stages_carry_the_streams_and_hold_only_their_parameters():
     assert {name.split(".")[2] for name in last_names if name.startswith("model.layers.")} == {"3", "4"}
     assert first_names.isdisjoint(last_names)
     assert first_names | last_names == set(dict(model.named_parameters()))
-    assert first.model.layers["0"] is model.model.layers[0]  # shared, not copied
+    assert first.model.layers[0] is model.model.layers[0]  # shared, not copied
 
     streams = first(torch.randint(3, VOCAB, (2, 7)))
     assert streams.shape == (2, 7, 3, 32)

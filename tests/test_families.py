@@ -31,7 +31,8 @@ from hf_mhc.cli import main
 from hf_mhc.configuration_mhc import BACKBONE_WIRINGS, SUPPORTED_BACKBONES, BackboneWiring
 from hf_mhc.conversion import is_hc_parameter
 from hf_mhc.distributed import split_pipeline
-from hf_mhc.modeling_mhc import HC_MODULE_NAMES, sinkhorn
+from hf_mhc.mhc_reference import sinkhorn
+from hf_mhc.modeling_mhc import HC_MODULE_NAMES
 from hf_mhc.peft import lora_target_modules, mhc_lora_config
 
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
