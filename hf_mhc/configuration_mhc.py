@@ -56,8 +56,8 @@ class BackboneWiring:
 
     @property
     def pre_norm(self) -> bool:
-        """Whether each sublayer starts with a norm, which makes its input scale-free (see the README: for such
-        wiring the function-preserving initialisation reproduces the backbone to float32 rounding)."""
+        """Whether each sublayer starts with a norm, which makes its input scale-free: for such wiring the
+        function-preserving initialisation reproduces the backbone to float32 rounding, not only to ``hc_eps``."""
         return bool(self.attention_before) and bool(self.mlp_before)
 
 
@@ -96,70 +96,42 @@ SUPPORTED_BACKBONES: tuple[str, ...] = tuple(BACKBONE_WIRINGS)
 HC_INITS: tuple[str, ...] = ("function_preserving", "deepseek_v4")
 HC_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "reference", "torch", "triton")
 MAX_HC_MULT = 8
-# Why 100: see `hc_sinkhorn_iters` in MHCConfig's docstring (cost grows with iters, iters² in the Triton backward).
-MAX_SINKHORN_ITERS = 100
+MAX_SINKHORN_ITERS = 100  # each iteration is replayed in backward; beyond 100 Sinkhorn gains little
 
 
 @strict
 class MHCConfig(PreTrainedConfig):
-    r"""Configuration of an mHC model built on a dense residual backbone.
+    r"""Configuration of an mHC model: a residual backbone's own config, nested, plus the mHC hyper-parameters.
 
     Args:
-        backbone_config (`PreTrainedConfig` or `dict`):
-            The backbone family's own config (`LlamaConfig`, `Gemma3TextConfig`, ... of a family in
-            `SUPPORTED_BACKBONES`, or its dict with a `model_type`). The decoder layers, norms and rotary embedding
-            are built from it by the family's own transformers classes; `BACKBONE_WIRINGS` says how its sublayers
-            meet the residual stream.
+        backbone_config (`PreTrainedConfig` or `dict`): the backbone family's own config (`LlamaConfig`, ... of a
+            family in `SUPPORTED_BACKBONES`, or its dict with a `model_type`); `None` is a default Llama.
         hc_mult (`int`, defaults to 4): number of residual streams `n`, 1 to 8.
-        hc_sinkhorn_iters (`int`, defaults to 20): Sinkhorn-Knopp iterations for `comb` (the `"sinkhorn"` residual
-            map; the others do not iterate), 1 to 100.
-            DeepSeek-V4 uses 20. Each iteration is two normalisations per token per site in forward, replayed in
-            backward; the Triton backward recomputes every earlier iterate at each step, so its work grows with
-            `iters²` (about 25x the default's at 100). Above 100 the extra accuracy does not pay: measured in float32 on
-            4096 tokens, n = 4, logits of size about 1 reach float32's limit by 50 iterations (row sums within
-            1.1e-6 of 1, as after 1000), and for peaked logits (size 3 to 30) Sinkhorn converges only like 1/iters
-            (largest row-sum error 0.06-0.08 at 20, 0.006-0.012 at 100, 0.0003-0.001 at 1000), while the torch
-            forward + backward of Sinkhorn alone takes 7 ms at 20, 49 ms at 100 and 300 ms at 1000 iterations
-            (a whole site, 290 ms at 20).
-        hc_eps (`float`, defaults to 1e-6): the epsilon added to `pre`, `comb` and each Sinkhorn denominator.
-        hc_init (`str`, defaults to `"function_preserving"`):
-            `"function_preserving"` makes a fresh model compute exactly its residual backbone:
-            `pre = 1/n`, `mean(post) ≈ 1`, `comb_b = hc_init_comb_diag * I`, the head averaging the streams,
-            and the dynamic part off through `fn = 0` (with a non-zero scale, so `fn` still gets a gradient).
-            `"deepseek_v4"` is DeepSeek-V4's initialisation (`fn ~ N(0, initializer_range)`, `base = 0`,
-            `scale = 1`), which does not preserve the backbone's function.
-        hc_init_post_delta (`float`, defaults to 0.1):
-            `post` values come in pairs `2σ(±k·δ)` (k = 1, 2, ...; 1 for odd n), so their mean is 1 (times the
-            site's `s^(k+1) = 1 - O(hc_eps)`, see `function_preserving_hc_base`) while no two streams are alike:
-            identical streams would receive identical gradients forever.
-        hc_init_comb_diag (`float`, defaults to 2.0):
-            `c` in `comb_b = c·I`. 2.0 puts 0.71 of each stream's weight on itself for n = 4 (close to the identity
-            residual) while the softmax stays far from saturation, so `comb` keeps a useful gradient. The
-            `"permutations"` map starts from the same `comb` (its identity weight is chosen so); `"unconstrained"` and
-            `"identity"` start from `comb = I`.
-        hc_init_dynamic_scale (`float`, defaults to 0.01):
-            initial `scale` of the dynamic (token-dependent) part. Non-zero so that `fn = 0` gets a gradient;
-            small, as in the mHC paper, so that early updates of `fn` perturb the maps gently.
-        hc_residual_map (`str`, defaults to `"sinkhorn"`): how the streams are mixed, from the same projection of
-            the flattened streams (formulas in the README, "The math"). `"sinkhorn"` is mHC (`comb` projected by
-            Sinkhorn-Knopp towards the doubly stochastic matrices); `"unconstrained"` the original Hyper-Connections
-            (static plus scaled-tanh dynamic maps, no projection); `"identity"` carries the streams unmixed and
-            learns only `pre` and `post` (as transformers' HY-V4; `fn` has `2n` rows and `scale` 2 entries);
-            `"permutations"` is mHC-lite (`comb` a softmax-weighted sum of the `n!` permutation matrices, exactly
-            doubly stochastic; `hc_mult` at most 4, as the cost grows as `n!`).
-        hc_post_magnitude (`float`, defaults to 2.0): `m` in the identity map's `post = m·σ(...) + hc_eps`
-            (HY-V4's `hc_magnitude`). mHC's and mHC-lite's `post = 2σ(...)` are fixed, so other maps need 2.0.
-        hc_implementation (`str`, defaults to `"auto"`): which code runs the maps, resolved when the model is built
-            (like `attn_implementation`; `model.set_hc_implementation` changes it): `"triton"` the fused Triton
-            kernels (CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1`), `"torch"` the memory-light torch
-            kernels, `"auto"` Triton for CUDA tensors and torch otherwise, `"reference"` the plain formula of
-            `mhc_reference.py` (what a checkpoint loaded without the plugin runs). The numbers agree to rounding.
-            A choice of the machine, not of the model: `config.json` does not keep it (a checkpoint saved with
-            `"triton"` still loads where only the reference formula runs).
-        hc_recompute (`bool`, defaults to `False`):
-            selective recomputation (mHC paper §4.3.2): store, per decoder layer, only the streams entering it and
-            the two sublayer outputs; the coefficients, the collapsed sublayer inputs and the streams between the two
-            sublayers are recomputed in backward. Composes with gradient checkpointing.
+        hc_sinkhorn_iters (`int`, defaults to 20): Sinkhorn-Knopp iterations for `comb` (`"sinkhorn"` map), 1 to 100.
+        hc_eps (`float`, defaults to 1e-6): the epsilon added to `pre`, `comb` and each Sinkhorn denominator; below
+            `1 / hc_mult`.
+        hc_init (`str`, defaults to `"function_preserving"`): `"function_preserving"` makes a new model compute its
+            residual backbone exactly; `"deepseek_v4"` is DeepSeek-V4's random initialisation.
+        hc_init_post_delta (`float`, defaults to 0.1): the function-preserving `post` values come in pairs
+            `2σ(±k·δ)`, with mean 1 and no two streams alike.
+        hc_init_comb_diag (`float`, defaults to 2.0): `c` in the function-preserving `comb_b = c·I`.
+        hc_init_dynamic_scale (`float`, defaults to 0.01): initial `scale` of the token-dependent part; non-zero, so
+            that `fn = 0` gets a gradient.
+        hc_residual_map (`str`, defaults to `"sinkhorn"`): how `comb` mixes the streams: `"sinkhorn"` (mHC),
+            `"unconstrained"` (Hyper-Connections), `"identity"` (no mixing, HY-V4) or `"permutations"` (mHC-lite,
+            `hc_mult` at most 4).
+        hc_post_magnitude (`float`, defaults to 2.0): `m` in the identity map's `post = m·σ(...) + hc_eps`; 2.0 for
+            the other maps.
+        hc_implementation (`str`, defaults to `"auto"`): the code that runs the maps, like `attn_implementation`:
+            `"triton"`, `"torch"`, `"auto"` (Triton on CUDA tensors, torch otherwise) or `"reference"`; not saved.
+        hc_recompute (`bool`, defaults to `False`): selective recomputation; backward recomputes the mHC
+            coefficients, collapsed inputs and the streams between the sublayers instead of keeping them.
+        tie_word_embeddings (`bool`, *optional*): the backbone's own flag, mirrored here; a value given is written to
+            the backbone config.
+
+    Raises:
+        ValueError: a backbone family without a wiring entry, or an mHC value out of range (one line naming it).
+        TypeError: a `backbone_config` that is not a config, a dict or `None`.
 
     Example:
 

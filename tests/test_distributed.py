@@ -55,6 +55,19 @@ def assert_loads_without_the_plugin(folder: Path, work: Path) -> None:
     assert (remote - expected).abs().max() <= 1e-4 * expected.abs().max()
 
 
+@needs_distributed
+def test_distributed_config_runs_the_remote_code_a_checkpoint_ships(tmp_path):
+    """Where ``hf_mhc`` cannot be imported, a checkpoint loaded with ``trust_remote_code=True`` and a
+    ``DistributedConfig`` (pipeline and FSDP2) runs the distribution code it ships and gives the one-process logits."""
+    folder = tmp_path / "checkpoint"
+    tiny_mhc(num_layers=2).save_pretrained(folder)
+    assert (folder / "distributed.py").is_file()
+    output = torchrun(WORKERS / "remote_code_worker.py", str(folder), cwd=tmp_path)
+    for rank in range(WORLD_SIZE):
+        for plan in ("pp_size=2", "fsdp_size=2"):
+            assert f"rank {rank}: remote code {plan} matches" in output, output[-3000:]
+
+
 # --- FSDP2 ---------------------------------------------------------------------------------------------------------
 
 
