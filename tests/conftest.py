@@ -179,28 +179,30 @@ LOAD_WITHOUT_PLUGIN = textwrap.dedent(
     sys.modules["hf_mhc"] = None  # `import hf_mhc` now raises ImportError
     import torch
     from transformers import AutoModelForCausalLM
-    folder, ids_file, out_file = sys.argv[1:]
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-    assert not type(model).__module__.startswith("hf_mhc"), type(model).__module__
-    with torch.no_grad():
-        torch.save(model(torch.load(ids_file)).logits, out_file)
-    print(type(model).__module__)
+    ids_file, out_prefix, *folders = sys.argv[1:]
+    ids = torch.load(ids_file)
+    for index, folder in enumerate(folders):
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        with torch.no_grad():
+            torch.save(model(ids).logits, f"{out_prefix}{index}.pt")
     """
 )
 
 
-def remote_code_logits(folder: Path, ids: torch.Tensor, work: Path) -> torch.Tensor:
-    """The logits of ``folder`` loaded with ``trust_remote_code=True`` in a process where ``hf_mhc`` cannot be
-    imported (its own copy of the modeling code, from ``transformers_modules``)."""
+def remote_code_logits(folders: Path | list[Path], ids: torch.Tensor, work: Path) -> torch.Tensor | list[torch.Tensor]:
+    """The logits of ``folders`` (one folder, or several in one process) loaded with ``trust_remote_code=True`` in a
+    process where ``hf_mhc`` cannot be imported: their own copies of the modeling code, from
+    ``transformers_modules``."""
+    several = isinstance(folders, list)
     torch.save(ids, work / "ids.pt")
     env = {**os.environ, "HF_HOME": str(work / "hf_home"), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", LOAD_WITHOUT_PLUGIN, str(folder), str(work / "ids.pt"), str(work / "out.pt")],
-        env=env, capture_output=True, text=True, timeout=300, cwd=work,
-    )
+    arguments = [str(work / "ids.pt"), str(work / "remote_logits_"), *map(str, folders if several else [folders])]
+    result = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_PLUGIN, *arguments], env=env, capture_output=True,
+                            text=True, timeout=600, cwd=work)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split()[-1].startswith("transformers_modules"), result.stdout
-    return torch.load(work / "out.pt")
+    logits = [torch.load(work / f"remote_logits_{index}.pt") for index in range(len(arguments) - 2)]
+    return logits if several else logits[0]
 
 
 def assert_ordinary_mhc_folder(folder: Path) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -269,3 +272,29 @@ def test_mhc_settings_changed_on_a_built_model_take_effect_and_save_as_they_run(
     assert all(layer.hc_recompute for layer in model.model.layers)
     model.model.layers[0].hc_recompute = False  # one layer's own choice
     assert [layer.hc_recompute for layer in model.model.layers] == [False, True]
+
+
+WITHOUT_TRITON = textwrap.dedent(
+    """
+    import sys
+    sys.modules["triton"] = None  # as on a platform without Triton
+    import torch
+    import hf_mhc
+    from transformers import LlamaConfig
+    config = hf_mhc.MHCConfig(backbone_config=LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                                          num_attention_heads=4, vocab_size=50))
+    model = hf_mhc.MHCForCausalLM(config)
+    model(torch.randint(0, 50, (1, 5)), labels=torch.randint(0, 50, (1, 5))).loss.backward()
+    try:
+        hf_mhc.apply_mhc_kernels(model)
+    except ImportError:
+        print("apply_mhc_kernels needs triton")
+    """
+)
+
+
+def test_the_plugin_imports_and_trains_without_triton(tmp_path):
+    result = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "apply_mhc_kernels needs triton" in result.stdout
