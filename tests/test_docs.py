@@ -1,0 +1,120 @@
+"""Every code block of README.md and of docs/ runs as pasted.
+
+Each document's blocks run in order, in a scratch copy of the repository root of their own (``../shared`` beside it
+when present, ``examples/`` and ``.venv`` linked in), so that a later block can use a folder an earlier one saved:
+each ``python`` block as its own script, each ``bash`` block with ``bash -e``, the virtual environment's scripts
+(``hf-mhc``) first on ``PATH``. A block that cannot run here is marked, on the line before its fence, with
+``<!-- not run by the tests: REASON -->``. ``text`` blocks (formulas, printed output) are not run. The site itself is
+built by ``make docs`` (``mkdocs build --strict``), which ``make test`` runs before pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import ASSETS
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+DOCUMENTS = (README, *sorted((REPO / "docs").rglob("*.md")))
+README_MAX_LINES = 250
+RUN = {"python": [sys.executable], "bash": ["bash", "-e"]}
+NOT_RUN_LANGUAGES = {"text"}
+NOT_RUN = re.compile(r"<!-- not run by the tests: (.+?) -->")
+FENCE = re.compile(r"^```(\w*)\s*$")
+LINKED_INTO_SCRATCH = ("examples",)
+SNIPPET_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class CodeBlock:
+    """One fenced block: its document, the line of its opening fence (1-based), language, code, and the reason it is
+    not run (``None`` when it runs)."""
+
+    document: Path
+    line: int
+    language: str
+    code: str
+    reason: str | None
+
+    @property
+    def name(self) -> str:
+        return f"{self.document.relative_to(REPO)}:{self.line}"
+
+
+def code_blocks(document: Path) -> list[CodeBlock]:
+    """Every fenced block of ``document``, in order."""
+    lines = document.read_text(encoding="utf-8").splitlines()
+    blocks, index = [], 0
+    while index < len(lines):
+        fence = FENCE.match(lines[index])
+        if fence:
+            end = next(i for i in range(index + 1, len(lines)) if lines[i].strip() == "```")
+            marker = NOT_RUN.search(lines[index - 1]) if index else None
+            blocks.append(CodeBlock(document, index + 1, fence.group(1), "\n".join(lines[index + 1 : end]) + "\n",
+                                    marker and marker.group(1)))
+            index = end
+        index += 1
+    return blocks
+
+
+BLOCKS = [block for document in DOCUMENTS for block in code_blocks(document)]
+RUNNABLE = [block for block in BLOCKS if block.language in RUN]
+
+
+def test_every_block_says_its_language_and_why_it_is_not_run():
+    assert len(RUNNABLE) >= 20
+    unknown = [block.name for block in BLOCKS if block.language not in {*RUN, *NOT_RUN_LANGUAGES}]
+    assert not unknown, f"fenced blocks need a language among python, bash, text: {unknown}"
+    assert all(block.reason is None or len(block.reason) > 10 for block in BLOCKS)
+    assert not [block.name for block in BLOCKS if block.language in NOT_RUN_LANGUAGES and block.reason]
+
+
+def test_the_readme_is_a_landing_page_whose_links_lead_somewhere():
+    """At most ``README_MAX_LINES`` lines, and every relative link names a file of the repository (``mkdocs build
+    --strict`` checks the links inside docs/, not the README's)."""
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= README_MAX_LINES
+    targets = [target.split("#")[0] for target in re.findall(r"\]\(([^)\s]+)\)", text)
+               if "://" not in target and not target.startswith("#")]
+    assert len(targets) >= 10
+    assert not [target for target in targets if not (REPO / target).is_file()]
+
+
+@pytest.fixture(scope="module")
+def scratch_roots(tmp_path_factory) -> dict[Path, Path]:
+    """Per document, ``root/repo`` as the working directory, with ``root/shared`` linked to the real ``../shared``
+    and ``repo/.venv`` to the running environment."""
+    roots = {}
+    for document in DOCUMENTS:
+        root = tmp_path_factory.mktemp(document.stem)
+        repo = root / "repo"
+        repo.mkdir()
+        if ASSETS.is_dir():
+            (root / "shared").symlink_to(ASSETS.parent, target_is_directory=True)
+        (repo / ".venv").symlink_to(sys.prefix, target_is_directory=True)
+        for name in LINKED_INTO_SCRATCH:
+            (repo / name).symlink_to(REPO / name, target_is_directory=True)
+        roots[document] = repo
+    return roots
+
+
+@pytest.mark.skipif(not ASSETS.is_dir(), reason="the snippets use ../shared/assets")
+@pytest.mark.parametrize("block", RUNNABLE, ids=[block.name for block in RUNNABLE])
+def test_code_block_runs(block, scratch_roots):
+    if block.reason is not None:
+        pytest.skip(f"{block.name}: {block.reason}")
+    workdir = scratch_roots[block.document]
+    script = workdir / f"block_{block.document.stem}_{block.line}.{'py' if block.language == 'python' else 'sh'}"
+    script.write_text(block.code, encoding="utf-8")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    result = subprocess.run([*RUN[block.language], script.name], cwd=workdir, env=env, capture_output=True, text=True,
+                            timeout=SNIPPET_TIMEOUT_S)
+    assert result.returncode == 0, f"{block.name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
