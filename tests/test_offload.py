@@ -20,7 +20,7 @@ from hf_mhc import MHCConfig, MHCForCausalLM
 from hf_mhc.modeling_mhc import HC_MODULE_NAMES
 from hf_mhc.offload import expert_modules, offload_device_map
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+BACKBONES_PAGE = Path(__file__).resolve().parents[1] / "docs" / "backbones.md"
 LAYERS = 5  # 4 MoE layers after the dense layer 0 of qwen3_moe and deepseek_v3, 5 in the other families
 
 
@@ -227,8 +227,8 @@ def test_expert_parameter_bytes_match_the_closed_form_and_a_real_model():
     assert round((deepseek["experts"] + deepseek["other"]) / 1e9) == 671
 
 
-def test_readme_quotes_the_computed_split():
-    """The README's memory figures (Qwen3-30B-A3B in bfloat16, DeepSeek-V3 at one byte per parameter) are
+def test_the_docs_quote_the_computed_split():
+    """The docs' memory figures (Qwen3-30B-A3B in bfloat16, DeepSeek-V3 at one byte per parameter) are
     ``expert_parameter_bytes``'s."""
     counts = expert_parameter_bytes(qwen3_30b_a3b())
     gib = 2**30
@@ -238,7 +238,7 @@ def test_readme_quotes_the_computed_split():
                f"{(rest + counts['experts'] / 2) / gib:.1f} GiB"]
     deepseek = expert_parameter_bytes(deepseek_v3(), dtype=torch.float8_e4m3fn)
     figures += [f"{deepseek['experts'] / gib:.1f} GiB", f"{sum(deepseek.values()) / gib:.1f} GiB"]
-    section = README.read_text(encoding="utf-8").split("### Expert offload", 1)[-1].split("\n## ", 1)[0]
+    section = BACKBONES_PAGE.read_text(encoding="utf-8").split("## Expert offload", 1)[-1].split("\n## ", 1)[0]
     missing = [figure for figure in figures if figure not in section]
-    assert not missing, f"README's Expert offload section lacks {missing}"
+    assert not missing, f"the docs' Expert offload section lacks {missing}"
 
