@@ -205,10 +205,6 @@ class MHCHyperHead(nn.Module):
                              norm_eps=self.norm_eps)
 
 
-def _call(function: Callable, *args):
-    return function(*args)
-
-
 class MHCDecoderLayer(GradientCheckpointingLayer):
     """The backbone family's decoder layer with its two residual adds replaced by mHC.
 
@@ -281,7 +277,7 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         streams = hidden_states
         merge = self.attn_hc.ops.post_res
         recompute = self.hc_recompute and torch.is_grad_enabled()
-        region = functools.partial(checkpoint, use_reentrant=False) if recompute else _call
+        region = functools.partial(checkpoint, use_reentrant=False) if recompute else lambda step, *args: step(*args)
 
         def collapse(site: MHCHyperConnection, norms: tuple[str, ...], streams: torch.Tensor, *attention):
             """``site``'s sublayer input (through the backbone's ``norms`` before the sublayer), ``post`` and
