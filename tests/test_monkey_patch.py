@@ -1,4 +1,5 @@
-"""``apply_mhc_kernels`` on transformers' own mHC models: same logits and gradients as upstream."""
+"""``hf_mhc.monkey_patch`` (``apply_mhc_kernels``) on transformers' own mHC models: the same logits and gradients as
+upstream."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextCo
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextHyperConnection, Glm5NextTextModel
 from transformers.models.hy_v4_vl.modeling_hy_v4_vl import HYV4VLTextModel
 
-import hf_mhc.kernels.integrations as integrations
+import hf_mhc.monkey_patch as monkey_patch
 from hf_mhc import apply_mhc_kernels
 
 
@@ -186,7 +187,7 @@ def test_hy_v4_runs_through_the_ops(monkeypatch):
     calls, poisoned = [], set()
 
     def counting(name):
-        op = getattr(integrations, name)
+        op = getattr(monkey_patch, name)
 
         def call(*args, **kwargs):
             calls.append((name, kwargs.get("residual_map"), kwargs.get("post_magnitude"),
@@ -200,7 +201,7 @@ def test_hy_v4_runs_through_the_ops(monkeypatch):
         return call
 
     for name in ("mhc_coeffs_pre", "mhc_post_res", "mhc_head"):
-        monkeypatch.setattr(integrations, name, counting(name))
+        monkeypatch.setattr(monkey_patch, name, counting(name))
     ids = torch.randint(1, 67, (1, 5))
     for kind in ("hy_v4", "hy_v4_vl"):
         model = apply_mhc_kernels(tiny_hy_v4(kind, 4))
