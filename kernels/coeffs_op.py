@@ -288,9 +288,8 @@ def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head,
 
 
 def _mix_torch(streams, fn, norm_eps):
-    """``mix = (flat * rstd) @ fn.T`` and ``rstd`` (normalising first rounds like the reference: scaling the product
-    instead, or taking rstd from ``vector_norm``, was measured 4-7x further from float64), a chunk of tokens at a
-    time (``token_slices``)."""
+    """``mix = (flat * rstd) @ fn.T`` and ``rstd``, a chunk of tokens at a time (``token_slices``). The streams are
+    normalised before the product, in the reference's order of operations (so the two round alike)."""
     flat = streams.reshape(-1, streams.shape[-2] * streams.shape[-1])
     fn32 = fn.float()
     mix = flat.new_empty(flat.shape[0], fn.shape[0], dtype=torch.float32)
@@ -377,7 +376,7 @@ def _streams_and_fn_grad_torch(streams, fn, grad_raw, correction, collapse):
             pre, grad_y = pre_and_grad_y
             grad.addcmul_(pre.float().unsqueeze(-1), grad_y.float().unsqueeze(-2))
         flat, raw2d = x32.reshape(-1, n * hidden), raw.reshape(-1, raw.shape[-1])
-        grad_fn.add_((flat.T @ raw2d).T)  # the same product, a third faster on CPU than raw.T @ flat (a skinny A.T)
+        grad_fn.add_((flat.T @ raw2d).T)  # raw.T @ flat, in the operand order that BLAS runs faster on CPU
         return (grad,)
 
     inputs = (streams, grad_raw, correction, *(collapse or ()))

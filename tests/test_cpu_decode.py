@@ -103,7 +103,7 @@ def post_res64(streams, y, post, comb):
 
 @pytest.fixture(scope="module")
 def built():
-    module = cpu_decode.kernels()
+    module = cpu_decode.extension()
     assert module is not None, "the CPU decode kernels did not build (see the warning)"
     return module
 
@@ -149,7 +149,7 @@ def counted(built, monkeypatch):
         return call
 
     wrapper = types.SimpleNamespace(**{name: counting(name) for name in calls})
-    monkeypatch.setattr(cpu_decode, "kernels", lambda: wrapper)
+    monkeypatch.setattr(cpu_decode, "extension", lambda: wrapper)
     return calls
 
 
@@ -265,7 +265,7 @@ def test_failed_build_warns_once_and_runs_eager(monkeypatch):
 
     reference = run_site_output()
     monkeypatch.setattr(cpu_decode, "build", no_compiler)
-    cpu_decode.kernels.cache_clear()
+    cpu_decode.extension.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -276,7 +276,7 @@ def test_failed_build_warns_once_and_runs_eager(monkeypatch):
         torch.testing.assert_close(first, reference)
         torch.testing.assert_close(second, reference)
     finally:
-        cpu_decode.kernels.cache_clear()
+        cpu_decode.extension.cache_clear()
 
 
 def run_site_output():

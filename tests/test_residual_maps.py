@@ -212,8 +212,8 @@ def test_unconstrained_comb_is_not_projected(backend):
 def test_permutations_of_more_than_four_streams_are_refused():
     fn, base, scale = random_params(4, 8, "permutations")
     x = torch.randn(1, 2, 5, 8)
-    with pytest.raises(ValueError, match=r"n <= 4 streams: it mixes all n! permutation matrices \(24 at n=4, 120 at "
-                                         r"n=5\); got n=5") as error:
+    with pytest.raises(ValueError, match=r"residual_map='permutations' supports n <= 4: it mixes all n! permutation "
+                                         r"matrices, a cost that grows as n! \(24 at n=4, 120 at n=5\); got n=5\.") as error:
         mhc_coeffs(x, fn, base, scale, **settings("permutations"))
     assert "\n" not in str(error.value)
 
