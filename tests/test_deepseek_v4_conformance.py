@@ -50,12 +50,17 @@ def dsv4_config(n):
     return SimpleNamespace(hc_mult=n, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6, hidden_size=HIDDEN)
 
 
+def randomize_(fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor) -> None:
+    """Upstream's parameters away from their start (``scale = 1``, ``base = 0``): every map token-dependent, uneven."""
+    with torch.no_grad():
+        fn.normal_(0, 0.3)
+        base.normal_(0, 1)
+        scale.uniform_(0.5, 1.5)
+
+
 def random_hyper_connection(n):
     hc = DeepseekV4HyperConnection(dsv4_config(n))
-    with torch.no_grad():
-        hc.fn.normal_(0, 0.3)
-        hc.base.normal_(0, 1)
-        hc.scale.uniform_(0.5, 1.5)
+    randomize_(hc.fn, hc.base, hc.scale)
     return hc
 
 
@@ -132,10 +137,7 @@ def test_decoder_layer_merge_matches_deepseek_v4(n):
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_head_matches_deepseek_v4(n):
     head = DeepseekV4HyperHead(dsv4_config(n))
-    with torch.no_grad():
-        head.hc_fn.normal_(0, 0.3)
-        head.hc_base.normal_(0, 1)
-        head.hc_scale.uniform_(0.5, 1.5)
+    randomize_(head.hc_fn, head.hc_base, head.hc_scale)
     streams = torch.randn(2, 5, n, HIDDEN)
     out = mhc_head(streams, head.hc_fn, head.hc_base, head.hc_scale, eps=head.eps, norm_eps=head.input_norm.eps)
     truth = mhc_reference.mhc_head(streams.double(), head.hc_fn.double(), head.hc_base.double(),
@@ -151,10 +153,7 @@ def test_identity_map_matches_hy_v4(backend, n):
     magnitude = 2.5  # not 2, so that a hard-coded 2 fails
     config = HYV4Config(hidden_size=HIDDEN, hc_mult=n, hc_magnitude=magnitude, hc_eps=1e-6, rms_norm_eps=1e-6)
     upstream = HYV4HyperConnection(config)
-    with torch.no_grad():
-        upstream.fn.normal_(0, 0.3)
-        upstream.base.normal_(0, 1)
-        upstream.scale.uniform_(0.5, 1.5)
+    randomize_(upstream.fn, upstream.base, upstream.scale)
     streams, sublayer_output = torch.randn(2, 5, n, HIDDEN), torch.randn(2, 5, HIDDEN)
     post_ref, collapsed_ref = upstream(streams)
     merged_ref = post_ref.unsqueeze(-1) * sublayer_output.unsqueeze(-2) + streams

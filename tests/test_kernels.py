@@ -123,19 +123,6 @@ def test_mhc_coeffs_matches_the_oracle(backend, residual_map, shape, dtype):
         torch.testing.assert_close(comb, torch.eye(n).expand(b, t, n, n), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", STREAM_DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_mhc_coeffs_pre_matches_the_oracle(backend, shape, dtype):
-    """Coefficients and collapse in one op: one backward node whose stream gradient carries both paths."""
-    b, t, n, c = shape
-    x = leaf(torch.randn(shape).to(dtype))
-    params = [leaf(p) for p in random_site_params(n, c)]
-    y, post, comb = check_op("mhc_coeffs_pre", backend, [x, *params], **settings(iters=sinkhorn_iters(n)))
-    assert y.dtype == dtype and y.shape == (b, t, c)
-    assert post.dtype == comb.dtype == torch.float32 and comb.shape == (b, t, n, n)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mhc_coeffs_pre_grad_through_the_collapse_alone(backend):
     """``post`` and ``comb`` unused: autograd hands the op None for them, and only the collapse path is left."""
@@ -199,35 +186,19 @@ def test_site_on_token_chunks_matches_the_oracle(monkeypatch, dtype):
 
 @pytest.mark.parametrize("dtype", STREAM_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("op", ["mhc_coeffs_pre", "mhc_pre", "mhc_post_res", "mhc_head"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_mhc_pre_matches_the_oracle(backend, shape, dtype):
+def test_stream_op_matches_the_oracle(backend, op, shape, dtype):
+    """The ops with a stream-sized result in the streams' dtype (``mhc_coeffs_pre``: coefficients and collapse in one
+    op, one backward node whose stream gradient carries both paths; ``mhc_post_res`` with a comb that is not
+    symmetric, so that the transpose matters)."""
     b, t, n, c = shape
-    (out,) = check_op("mhc_pre", backend, [leaf(torch.randn(shape).to(dtype)), leaf(torch.rand(b, t, n))])
-    assert out.dtype == dtype and out.shape == (b, t, c)
-
-
-@pytest.mark.parametrize("dtype", STREAM_DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_mhc_post_res_matches_the_oracle(backend, shape, dtype):
-    b, t, n, c = shape
-    x = leaf(torch.randn(shape).to(dtype))
-    y = leaf(torch.randn(b, t, c).to(dtype))
-    post = leaf(torch.rand(b, t, n) * 2)
-    comb = leaf(torch.rand(b, t, n, n))  # deliberately not symmetric: the transpose matters
-    (out,) = check_op("mhc_post_res", backend, [x, y, post, comb])
-    assert out.dtype == dtype and out.shape == shape
-
-
-@pytest.mark.parametrize("dtype", STREAM_DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_mhc_head_matches_the_oracle(backend, shape, dtype):
-    b, t, n, c = shape
-    x = leaf(torch.randn(shape).to(dtype))
-    (out,) = check_op("mhc_head", backend, [x, *(leaf(p) for p in random_head_params(n, c))], eps=HC_EPS,
-                      norm_eps=NORM_EPS)
-    assert out.dtype == dtype and out.shape == (b, t, c)
+    inputs = op_inputs(op, leaf(torch.randn(shape).to(dtype)))
+    outputs = check_op(op, backend, inputs, **op_settings(op, iters=sinkhorn_iters(n)))
+    assert outputs[0].dtype == dtype and outputs[0].shape == (shape if op == "mhc_post_res" else (b, t, c))
+    if op == "mhc_coeffs_pre":
+        _, post, comb = outputs
+        assert post.dtype == comb.dtype == torch.float32 and comb.shape == (b, t, n, n)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 8])
@@ -546,7 +517,7 @@ def op_inputs(op: str, streams: torch.Tensor, *, param_device=None, **tensors) -
     if op == "mhc_post_res":
         y_dtype = streams.dtype if streams.is_floating_point() else torch.float32
         y = tensors["y"] if "y" in tensors else leaf(torch.randn(b, t, c).to(y_dtype))
-        return [streams, y, leaf(torch.rand(b, t, n).to(**where)), leaf(torch.rand(b, t, n, n))]
+        return [streams, y, leaf((torch.rand(b, t, n) * 2).to(**where)), leaf(torch.rand(b, t, n, n))]
     return [streams, *(leaf(p.to(**where)) for p in random_head_params(n, c))]
 
 
