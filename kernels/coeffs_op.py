@@ -303,7 +303,7 @@ def _mix_torch(streams, fn, norm_eps):
     return mix.view(*lead, fn.shape[0]), rstd.view(lead)
 
 
-def _map_sizes(n: int, head: bool, residual_map: str = "sinkhorn") -> list[int]:
+def _column_groups(n: int, head: bool, residual_map: str = "sinkhorn") -> list[int]:
     """Column groups of ``mix``, one per entry of ``scale``: ``[n]`` for the head, ``[n, n, n*n]`` (pre, post, comb)
     for an mHC sublayer, ``[n, n]`` for the identity map, ``[n, n, n!]`` for permutations."""
     return [n] if head else [size for size in mhc_reference.map_sizes(n, residual_map) if size]
@@ -314,7 +314,7 @@ def _grad_z_torch(mix, base, scale, grads, iters, eps, head, residual_map="sinkh
     maps that are functions of ``z`` (all but ``"unconstrained"``)."""
     n = grads[0].shape[-1]
     z_parts = (mix * _per_column(scale, n, head, residual_map) + base.float()).split(
-        _map_sizes(n, head, residual_map), dim=-1)
+        _column_groups(n, head, residual_map), dim=-1)
     sig = torch.sigmoid(z_parts[0])
     grad_z = [grads[0].float() * sig * (1 - sig)]
     if not head:
@@ -356,7 +356,7 @@ def _grad_z_triton(mix, base, scale, grads, iters, eps, head, residual_map="sink
 
 def _per_column(scale, n, head, residual_map="sinkhorn"):
     """``scale`` broadcast over the columns of ``mix`` (one scale per map group)."""
-    sizes = torch.tensor(_map_sizes(n, head, residual_map), device=scale.device)
+    sizes = torch.tensor(_column_groups(n, head, residual_map), device=scale.device)
     return torch.repeat_interleave(scale.float(), sizes)
 
 
@@ -414,7 +414,7 @@ def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, back
     sum (``act`` is the identity and the function sigmoid / softmax / Sinkhorn, except for ``"unconstrained"``, where
     ``act = tanh`` and nothing follows, so ``grad_z`` is the maps' own gradient)."""
     n, hidden = streams.shape[-2:]
-    sizes = _map_sizes(n, head, residual_map)
+    sizes = _column_groups(n, head, residual_map)
     per_column = _per_column(scale, n, head, residual_map)
     if residual_map == "unconstrained" and not head:
         grad_z = torch.cat([grads[0].float(), grads[1].float(), grads[2].float().flatten(-2)], dim=-1)
