@@ -1,49 +1,32 @@
-"""Plain-torch mHC maps: the reference formula (stated in the README, "The math"), the one place this math is written.
+"""The mHC formulas in plain torch: the one place this math is written, and the oracle every kernel is tested against.
 
-Shapes: streams ``X`` are ``[..., n, C]`` (usually ``[B, T, n, C]``) in the model dtype; every
-coefficient is computed in float32 whatever that dtype is. This file ships flat beside
-``modeling_mhc.py`` in every saved checkpoint, so it imports nothing but torch.
+Shapes: streams ``X`` are ``[..., n, C]`` (usually ``[B, T, n, C]``) in the model dtype. Every formula computes in
+``compute_dtype``: float32 by default (a model's coefficients are float32 whatever its dtype); the tests run them in
+float64. Stream-sized results are returned in the streams' dtype, coefficients in ``compute_dtype``. This file ships
+flat beside ``modeling_mhc.py`` in every saved checkpoint, so it imports nothing but torch and the standard library.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-
-def normalized_flat_streams(streams: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    """Unweighted RMSNorm of the flattened streams: ``[..., n, C] -> [..., n*C]`` in float32."""
-    flat = streams.flatten(-2).float()
-    return flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-
-
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Sinkhorn-Knopp projection of ``[..., n, n]`` logits towards the doubly stochastic matrices.
-
-    ``softmax(logits, -1) + eps``, a column normalisation, then ``iters - 1`` rounds of row and column
-    normalisation, each ``M / (sum + eps)``. The columns (the last normalisation) sum to 1 up to ``eps``;
-    the rows only approximately after finitely many rounds. Returns float32.
-    """
-    comb = torch.softmax(logits.float(), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
-
-
-def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    """``RMSNorm(flat) @ fn.T``: ``[..., n, C]`` streams and ``fn [m, n*C]`` -> float32 ``[..., m]`` (also under
-    ``torch.autocast``, which would otherwise run the projection in bf16)."""
-    with torch.autocast(device_type=streams.device.type, enabled=False):
-        return F.linear(normalized_flat_streams(streams, norm_eps), fn.float())
-
-
 RESIDUAL_MAPS: tuple[str, ...] = ("sinkhorn", "unconstrained", "identity", "permutations")
-MAX_PERMUTATION_STREAMS = 4  # permutations mixes all n! permutation matrices: 24 at n = 4, 120 at n = 5
+MAX_PERMUTATION_STREAMS = 4  # the most streams "permutations" takes: see check_permutation_streams
+
+
+def check_permutation_streams(n: int, name: str, map_setting: str = "residual_map") -> None:
+    """``ValueError`` (one line) unless the ``"permutations"`` map can run on ``n`` streams: ``n <=
+    MAX_PERMUTATION_STREAMS``. ``name`` is what the caller calls ``n`` (``"hc_mult"``, ``"n"``) and ``map_setting`` its
+    residual-map setting (``"hc_residual_map"``, ``"residual_map"``); the message names both."""
+    if n > MAX_PERMUTATION_STREAMS:
+        raise ValueError(f"{map_setting}='permutations' supports {name} <= {MAX_PERMUTATION_STREAMS}: it mixes all n! "
+                         f"permutation matrices, a cost that grows as n! (24 at n=4, 120 at n=5); got {name}={n}.")
 
 
 def map_sizes(n: int, residual_map: str = "sinkhorn") -> tuple[int, int, int]:
@@ -69,11 +52,44 @@ def streams_of(base: torch.Tensor, residual_map: str) -> int:
     raise ValueError(f"A base of {base.shape[0]} entries fits no stream count for residual_map={residual_map!r}.")
 
 
-def permutation_matrices(n: int, device=None) -> torch.Tensor:
-    """The ``n!`` permutation matrices ``[n!, n, n]`` (float32) in ``itertools.permutations`` order, which is
-    lexicographic and starts with the identity: ``P_k[i, j] = 1`` where ``j = perm_k[i]``."""
+def permutation_matrices(n: int, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ``n!`` permutation matrices ``[n!, n, n]`` in ``itertools.permutations`` order, which is lexicographic and
+    starts with the identity: ``P_k[i, j] = 1`` where ``j = perm_k[i]``."""
     order = torch.tensor(list(itertools.permutations(range(n))), device=device)  # [n!, n]
-    return torch.eye(n, device=device)[order]
+    return torch.eye(n, device=device, dtype=dtype)[order]
+
+
+def normalized_flat_streams(streams: torch.Tensor, norm_eps: float, *,
+                            compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Unweighted RMSNorm of the flattened streams: ``[..., n, C] -> [..., n*C]`` in ``compute_dtype``."""
+    flat = streams.flatten(-2).to(compute_dtype)
+    return flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+
+
+def mhc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, *,
+            compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``RMSNorm(flat) @ fn.T``: ``[..., n, C]`` streams and ``fn [m, n*C]`` -> ``[..., m]`` in ``compute_dtype``, also
+    under ``torch.autocast`` (which would otherwise run the projection in a 16-bit dtype)."""
+    with torch.autocast(device_type=streams.device.type, enabled=False):
+        flat_n = normalized_flat_streams(streams, norm_eps, compute_dtype=compute_dtype)
+        return F.linear(flat_n, fn.to(compute_dtype))
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float, *,
+             compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Sinkhorn-Knopp projection of ``[..., n, n]`` logits towards the doubly stochastic matrices, in
+    ``compute_dtype``.
+
+    ``softmax(logits, -1) + eps``, a column normalisation, then ``iters - 1`` rounds of row and column
+    normalisation, each ``M / (sum + eps)``. The columns (the last normalisation) sum to 1 up to ``eps``;
+    the rows only approximately after finitely many rounds.
+    """
+    comb = torch.softmax(logits.to(compute_dtype), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
 
 
 def mhc_maps(
@@ -85,11 +101,12 @@ def mhc_maps(
     eps: float,
     residual_map: str = "sinkhorn",
     post_magnitude: float = 2.0,
-    sinkhorn_fn=sinkhorn,
+    sinkhorn_fn: Callable[[torch.Tensor, int, float], torch.Tensor] | None = None,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``pre [..., n]``, ``post [..., n]``, ``comb [..., n, n]`` (float32) from the projected streams ``mix`` (the
-    columns of ``map_sizes(n, residual_map)``), with ``w = mix`` split into ``pre_w, post_w, comb_w``, ``base`` into
-    ``pre_b, post_b, comb_b`` and ``scale`` into ``s0, s1[, s2]``:
+    """``pre [..., n]``, ``post [..., n]``, ``comb [..., n, n]`` (``compute_dtype``) from the projected streams ``mix``
+    (the columns of ``map_sizes(n, residual_map)``), with ``w = mix`` split into ``pre_w, post_w, comb_w``, ``base``
+    into ``pre_b, post_b, comb_b`` and ``scale`` into ``s0, s1[, s2]``:
 
     - ``"sinkhorn"`` (mHC): ``pre = σ(s0·pre_w + pre_b) + eps``, ``post = 2σ(s1·post_w + post_b)``,
       ``comb = Sinkhorn(s2·comb_w + comb_b)`` (``sinkhorn``).
@@ -101,13 +118,13 @@ def mhc_maps(
     - ``"permutations"`` (mHC-lite): ``pre`` and ``post`` as mHC, ``comb = Σ_k w_k P_k`` over the ``n!`` permutation
       matrices (``permutation_matrices``) with ``w = softmax(s2·comb_w + comb_b)``: exactly doubly stochastic.
 
-    ``sinkhorn_fn(logits, iters, eps)`` lets a caller swap in a memory-light Sinkhorn with the same numbers.
+    ``sinkhorn_fn(logits, iters, eps)`` replaces ``sinkhorn`` (a memory-light one with the same numbers).
     """
     n = streams_of(base, residual_map)
     sizes = map_sizes(n, residual_map)
-    pre_w, post_w, comb_w = mix.split(sizes, dim=-1)
-    pre_b, post_b, comb_b = base.float().split(sizes)
-    pre_scale, post_scale, *comb_scale = scale.float().unbind(0)
+    pre_w, post_w, comb_w = mix.to(compute_dtype).split(sizes, dim=-1)
+    pre_b, post_b, comb_b = base.to(compute_dtype).split(sizes)
+    pre_scale, post_scale, *comb_scale = scale.to(compute_dtype).unbind(0)
     if residual_map == "unconstrained":
         pre = pre_scale * torch.tanh(pre_w) + pre_b
         post = post_scale * torch.tanh(post_w) + post_b
@@ -116,29 +133,23 @@ def mhc_maps(
     pre = torch.sigmoid(pre_w * pre_scale + pre_b) + eps
     if residual_map == "identity":
         post = post_magnitude * torch.sigmoid(post_w * post_scale + post_b) + eps
-        return pre, post, torch.eye(n, device=mix.device).expand(*mix.shape[:-1], n, n)
+        return pre, post, torch.eye(n, device=mix.device, dtype=compute_dtype).expand(*mix.shape[:-1], n, n)
     post = 2 * torch.sigmoid(post_w * post_scale + post_b)
+    comb_logits = comb_w * comb_scale[0] + comb_b
     if residual_map == "permutations":
-        weights = torch.softmax(comb_w * comb_scale[0] + comb_b, dim=-1)
-        comb = weights @ permutation_matrices(n, mix.device).flatten(1)  # [..., n!] @ [n!, n*n]
+        weights = torch.softmax(comb_logits, dim=-1)
+        comb = weights @ permutation_matrices(n, mix.device, compute_dtype).flatten(1)  # [..., n!] @ [n!, n*n]
         return pre, post, comb.unflatten(-1, (n, n))
-    comb_logits = comb_w.unflatten(-1, (n, n)) * comb_scale[0] + comb_b.view(n, n)
-    return pre, post, sinkhorn_fn(comb_logits, sinkhorn_iters, eps)
+    project = sinkhorn_fn or functools.partial(sinkhorn, compute_dtype=compute_dtype)
+    return pre, post, project(comb_logits.unflatten(-1, (n, n)), sinkhorn_iters, eps)
 
 
 def mhc_coeffs(
-    streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    sinkhorn_iters: int,
-    eps: float,
-    norm_eps: float,
-    residual_map: str = "sinkhorn",
-    post_magnitude: float = 2.0,
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, sinkhorn_iters: int,
+    eps: float, norm_eps: float, residual_map: str = "sinkhorn", post_magnitude: float = 2.0,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token-dependent maps of one sublayer (``mhc_maps`` of ``mhc_mix``).
+    """Token-dependent maps of one sublayer: ``mhc_maps`` of ``mhc_mix``.
 
     Args:
         streams: ``[..., n, C]``.
@@ -147,60 +158,58 @@ def mhc_coeffs(
 
     Returns:
         ``pre [..., n]``, ``post [..., n]``, ``comb [..., n, n]`` (the comb applied: the identity for
-        ``"identity"``), all float32.
+        ``"identity"``), all in ``compute_dtype``.
     """
-    mix = mhc_mix(streams, fn, norm_eps)
+    mix = mhc_mix(streams, fn, norm_eps, compute_dtype=compute_dtype)
     return mhc_maps(mix, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps, residual_map=residual_map,
-                    post_magnitude=post_magnitude)
+                    post_magnitude=post_magnitude, compute_dtype=compute_dtype)
 
 
-def mhc_pre(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """Collapse ``[..., n, C]`` streams with weights ``pre [..., n]`` into ``[..., C]`` (streams' dtype)."""
-    return (pre.float().unsqueeze(-1) * streams.float()).sum(dim=-2).to(streams.dtype)
+def mhc_pre(streams: torch.Tensor, pre: torch.Tensor, *, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Collapse: ``y = sum_i pre[i] * X[i]``, ``[..., n, C]`` streams and ``pre [..., n]`` -> ``[..., C]`` in the
+    streams' dtype."""
+    return (pre.to(compute_dtype).unsqueeze(-1) * streams.to(compute_dtype)).sum(dim=-2).to(streams.dtype)
 
 
 def mhc_coeffs_pre(
-    streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    sinkhorn_iters: int,
-    eps: float,
-    norm_eps: float,
-    residual_map: str = "sinkhorn",
-    post_magnitude: float = 2.0,
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, sinkhorn_iters: int,
+    eps: float, norm_eps: float, residual_map: str = "sinkhorn", post_magnitude: float = 2.0,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A site's entry: the sublayer input ``y [..., C]`` (streams' dtype), ``post [..., n]`` and ``comb [..., n, n]``
-    (float32; ``None`` for the identity map, which has nothing to mix), i.e. ``mhc_coeffs`` then ``mhc_pre``."""
+    (``compute_dtype``; ``None`` for the identity map, which has nothing to mix), i.e. ``mhc_coeffs`` then
+    ``mhc_pre``."""
     pre, post, comb = mhc_coeffs(streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps,
-                                 residual_map=residual_map, post_magnitude=post_magnitude)
-    return mhc_pre(streams, pre), post, None if residual_map == "identity" else comb
+                                 residual_map=residual_map, post_magnitude=post_magnitude, compute_dtype=compute_dtype)
+    return mhc_pre(streams, pre, compute_dtype=compute_dtype), post, None if residual_map == "identity" else comb
 
 
-def mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
-                 comb: torch.Tensor | None) -> torch.Tensor:
-    """New streams ``X'[i] = post[i] * y + sum_j comb[j, i] * X[j]`` (comb applied transposed).
+def mhc_post_res(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor | None, *,
+                 compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Merge: new streams ``X'[i] = post[i] * y + sum_j comb[j, i] * X[j]`` (comb applied transposed).
 
     Args:
         streams: ``[..., n, C]``; y: the sublayer output ``[..., C]``; post: ``[..., n]``; comb: ``[..., n, n]``, or
             ``None`` for the identity (``X'[i] = post[i] * y + X[i]``, no mixing).
 
     Returns:
-        ``[..., n, C]`` in the streams' dtype, computed in float32.
+        ``[..., n, C]`` in the streams' dtype.
     """
-    mixed = streams.float() if comb is None else torch.matmul(comb.float().transpose(-1, -2), streams.float())
-    return (post.float().unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(streams.dtype)
+    x = streams.to(compute_dtype)
+    mixed = x if comb is None else torch.matmul(comb.to(compute_dtype).transpose(-1, -2), x)
+    return (post.to(compute_dtype).unsqueeze(-1) * y.to(compute_dtype).unsqueeze(-2) + mixed).to(streams.dtype)
+
+
+def mhc_head_weights(mix: torch.Tensor, hc_base: torch.Tensor, hc_scale: torch.Tensor, *, eps: float,
+                     compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The head's collapse weights ``pre_h = sigmoid(hc_scale * mix + hc_base) + eps`` ``[..., n]`` from
+    ``mix = RMSNorm(flat) @ hc_fn.T``, in ``compute_dtype``."""
+    return torch.sigmoid(mix.to(compute_dtype) * hc_scale.to(compute_dtype) + hc_base.to(compute_dtype)) + eps
 
 
 def mhc_head(
-    streams: torch.Tensor,
-    hc_fn: torch.Tensor,
-    hc_base: torch.Tensor,
-    hc_scale: torch.Tensor,
-    *,
-    eps: float,
-    norm_eps: float,
+    streams: torch.Tensor, hc_fn: torch.Tensor, hc_base: torch.Tensor, hc_scale: torch.Tensor, *, eps: float,
+    norm_eps: float, compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Final readout: ``sum_i pre_h[i] * X[i]`` with ``pre_h = sigmoid(hc_scale * (flat_n @ hc_fn.T) + hc_base) + eps``.
 
@@ -210,12 +219,9 @@ def mhc_head(
     Returns:
         ``[..., C]`` in the streams' dtype.
     """
-    return mhc_pre(streams, mhc_head_weights(mhc_mix(streams, hc_fn, norm_eps), hc_base, hc_scale, eps=eps))
-
-
-def mhc_head_weights(mix: torch.Tensor, hc_base: torch.Tensor, hc_scale: torch.Tensor, *, eps: float) -> torch.Tensor:
-    """The head's collapse weights ``pre_h [..., n]`` from ``mix = RMSNorm(flat) @ hc_fn.T`` (float32)."""
-    return torch.sigmoid(mix * hc_scale.float() + hc_base.float()) + eps
+    mix = mhc_mix(streams, hc_fn, norm_eps, compute_dtype=compute_dtype)
+    pre_h = mhc_head_weights(mix, hc_base, hc_scale, eps=eps, compute_dtype=compute_dtype)
+    return mhc_pre(streams, pre_h, compute_dtype=compute_dtype)
 
 
 # Function-preserving initialisation. `config` is an MHCConfig (read by attribute: hc_mult, hc_eps, hc_residual_map,

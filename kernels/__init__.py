@@ -11,7 +11,14 @@ if __name__ == "hf_mhc.kernels":
         resolve_backend,
         sinkhorn,
     )
-    from .integrations import apply_mhc_kernels
+
+    def __getattr__(name: str):
+        """``apply_mhc_kernels`` lives in :mod:`hf_mhc.monkey_patch` (which imports this package): loaded on use."""
+        if name == "apply_mhc_kernels":
+            from hf_mhc.monkey_patch import apply_mhc_kernels
+
+            return apply_mhc_kernels
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
     __all__ = [
         "BACKENDS",

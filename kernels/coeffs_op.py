@@ -288,9 +288,8 @@ def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head,
 
 
 def _mix_torch(streams, fn, norm_eps):
-    """``mix = (flat * rstd) @ fn.T`` and ``rstd`` (normalising first rounds like the reference: scaling the product
-    instead, or taking rstd from ``vector_norm``, was measured 4-7x further from float64), a chunk of tokens at a
-    time (``token_slices``)."""
+    """``mix = (flat * rstd) @ fn.T`` and ``rstd``, a chunk of tokens at a time (``token_slices``). The streams are
+    normalised before the product, in the reference's order of operations (so the two round alike)."""
     flat = streams.reshape(-1, streams.shape[-2] * streams.shape[-1])
     fn32 = fn.float()
     mix = flat.new_empty(flat.shape[0], fn.shape[0], dtype=torch.float32)
@@ -304,7 +303,7 @@ def _mix_torch(streams, fn, norm_eps):
     return mix.view(*lead, fn.shape[0]), rstd.view(lead)
 
 
-def _map_sizes(n: int, head: bool, residual_map: str = "sinkhorn") -> list[int]:
+def _column_groups(n: int, head: bool, residual_map: str = "sinkhorn") -> list[int]:
     """Column groups of ``mix``, one per entry of ``scale``: ``[n]`` for the head, ``[n, n, n*n]`` (pre, post, comb)
     for an mHC sublayer, ``[n, n]`` for the identity map, ``[n, n, n!]`` for permutations."""
     return [n] if head else [size for size in mhc_reference.map_sizes(n, residual_map) if size]
@@ -315,7 +314,7 @@ def _grad_z_torch(mix, base, scale, grads, iters, eps, head, residual_map="sinkh
     maps that are functions of ``z`` (all but ``"unconstrained"``)."""
     n = grads[0].shape[-1]
     z_parts = (mix * _per_column(scale, n, head, residual_map) + base.float()).split(
-        _map_sizes(n, head, residual_map), dim=-1)
+        _column_groups(n, head, residual_map), dim=-1)
     sig = torch.sigmoid(z_parts[0])
     grad_z = [grads[0].float() * sig * (1 - sig)]
     if not head:
@@ -357,7 +356,7 @@ def _grad_z_triton(mix, base, scale, grads, iters, eps, head, residual_map="sink
 
 def _per_column(scale, n, head, residual_map="sinkhorn"):
     """``scale`` broadcast over the columns of ``mix`` (one scale per map group)."""
-    sizes = torch.tensor(_map_sizes(n, head, residual_map), device=scale.device)
+    sizes = torch.tensor(_column_groups(n, head, residual_map), device=scale.device)
     return torch.repeat_interleave(scale.float(), sizes)
 
 
@@ -377,7 +376,7 @@ def _streams_and_fn_grad_torch(streams, fn, grad_raw, correction, collapse):
             pre, grad_y = pre_and_grad_y
             grad.addcmul_(pre.float().unsqueeze(-1), grad_y.float().unsqueeze(-2))
         flat, raw2d = x32.reshape(-1, n * hidden), raw.reshape(-1, raw.shape[-1])
-        grad_fn.add_((flat.T @ raw2d).T)  # the same product, a third faster on CPU than raw.T @ flat (a skinny A.T)
+        grad_fn.add_((flat.T @ raw2d).T)  # raw.T @ flat, in the operand order that BLAS runs faster on CPU
         return (grad,)
 
     inputs = (streams, grad_raw, correction, *(collapse or ()))
@@ -415,7 +414,7 @@ def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, back
     sum (``act`` is the identity and the function sigmoid / softmax / Sinkhorn, except for ``"unconstrained"``, where
     ``act = tanh`` and nothing follows, so ``grad_z`` is the maps' own gradient)."""
     n, hidden = streams.shape[-2:]
-    sizes = _map_sizes(n, head, residual_map)
+    sizes = _column_groups(n, head, residual_map)
     per_column = _per_column(scale, n, head, residual_map)
     if residual_map == "unconstrained" and not head:
         grad_z = torch.cat([grads[0].float(), grads[1].float(), grads[2].float().flatten(-2)], dim=-1)

@@ -25,14 +25,13 @@ def token_block(gpu_block: int) -> int:
     return 64 if interpreting() else gpu_block
 
 
-CPU_CHUNK_BYTES = 4 * 2**20
+CPU_CHUNK_BYTES = 4 * 2**20  # float32 working set of one token chunk of a torch kernel (token_slices)
 
 
 def token_slices(tokens: int, bytes_per_token: int) -> Iterator[slice]:
-    """Token ranges of about 4 MiB of float32 working set each, for a torch kernel that makes several passes over
-    temporaries: they stay in cache and come from reused heap memory instead of fresh, page-faulting allocations the
-    size of all the streams (measured on the coefficient forward, 4096 tokens x 4096: 41 ms at 16 MiB, 20 ms at
-    4 MiB)."""
+    """Token ranges of about ``CPU_CHUNK_BYTES`` of float32 working set each (at least one token), for a torch kernel
+    that makes several passes over temporaries: they stay in cache and come from reused heap memory instead of fresh,
+    page-faulting allocations the size of all the streams."""
     step = max(1, CPU_CHUNK_BYTES // bytes_per_token)
     for start in range(0, tokens, step):
         yield slice(start, start + step)
@@ -48,11 +47,10 @@ def map_token_chunks(
     the streams ``inputs[0] [*lead, n, C]``, and so do the results; ``compute`` must work for any leading dims.
 
     float32 streams, and streams with no tokens, run in one call. Other streams (16-bit, float64) run on token chunks
-    of about 4 MiB of float32 working set (``token_slices``), each chunk's results written into preallocated outputs.
-    The float32 copies ``compute`` makes of its inputs then stay in cache and come from reused memory, instead of
-    stream-sized fresh allocations that page-fault: one such copy of 4096 x 4 x 1024 bf16 streams costs about 30 ms
-    here. For float32 streams there are no copies to save, and chunking was measured to be slower. Either way the
-    results are not views, so autograd can accumulate a stream gradient into them in place.
+    of about ``CPU_CHUNK_BYTES`` of float32 working set (``token_slices``), each chunk's results written into
+    preallocated outputs: the float32 copies ``compute`` makes of its inputs then stay in cache and come from reused
+    memory, instead of stream-sized fresh allocations that page-fault. float32 streams need no copies, so they are not
+    chunked. Either way the results are not views, so autograd can accumulate a stream gradient into them in place.
     """
     lead = inputs[0].shape[:-2]
     tokens = math.prod(lead)
@@ -84,9 +82,8 @@ def padded_streams(n: int) -> int:
 
 
 def batched_dots(matrices: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
-    """``out[..., i] = <matrices[..., i, :], vectors[..., :]>`` for ``[..., n, C]`` and ``[..., C]``, as a row vector
-    times the transposed matrix (on CPU 2.8x faster than the matrix times a column vector, measured at 4096 x 4 x
-    1024)."""
+    """``out[..., i] = <matrices[..., i, :], vectors[..., :]>`` for ``[..., n, C]`` and ``[..., C]``, computed as a row
+    vector times the transposed matrix (on CPU the faster layout of the two)."""
     return torch.matmul(vectors.unsqueeze(-2), matrices.transpose(-1, -2)).squeeze(-2)
 
 

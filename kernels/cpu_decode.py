@@ -1,21 +1,22 @@
 """The CPU decode fast path: one fused C++ call per mHC site for a few tokens without autograd.
 
-Greedy decoding runs each site on one token per sequence. The eager torch kernels spend that token's time in Python
-and operator dispatch (the 20 Sinkhorn iterations alone are 39 normalisations of three ops each), so for a few
-tokens on CPU, with no gradient wanted, ``kernels/functional.py`` calls the C++ kernels of ``cpu_decode.cpp``
-instead: ``coeffs_pre`` (``mix`` by one GEMM, the residual map, the ``pre`` collapse), ``post_res`` and ``head``,
-each one call with ``at::parallel_for`` over the tokens, the numbers of ``hf_mhc.mhc_reference`` to float32 rounding.
+For CPU float32 / bfloat16 / float16 streams of at most ``MAX_TOKENS`` tokens with no gradient wanted
+(``takes_fast_path``), ``kernels/functional.py`` calls the kernels of ``cpu_decode.cpp`` instead of the eager torch
+kernels: ``coeffs_pre`` (``mix`` by one GEMM, the residual map, the ``pre`` collapse), ``post_res`` and ``head``, each
+one call with ``at::parallel_for`` over the tokens, giving the numbers of ``hf_mhc.mhc_reference`` to float32
+rounding. Greedy decoding runs each site on one token per sequence, where the eager kernels' Python and operator
+dispatch (Sinkhorn alone is ``2·iters - 1`` normalisations of three ops each) would cost more than the arithmetic.
 
 Under ``torch.compile`` (``generate`` with a static cache and a compile config) the same kernels run as the custom
-ops ``hf_mhc::cpu_decode_coeffs_pre`` / ``_post_res`` / ``_head`` (shapes for tracing, the C++ call at run time),
-so a compiled decode step calls them as eager decoding does; these read the switch and the build when they run (a
-graph traced once serves every model and both settings), running the eager torch kernels when off. In eager mode
-the kernels are called directly (the dispatcher's few microseconds per call saved).
+ops ``hf_mhc::cpu_decode_coeffs_pre`` / ``_post_res`` / ``_head`` (shapes for tracing, the C++ call at run time).
+These read the switch and the build when they run (a graph traced once serves every model and both settings) and run
+the eager torch kernels when the fast path is off. In eager mode the kernels are called directly, without the
+dispatcher.
 
 The source is JIT-built once with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, the ``ninja`` package of
 the dependencies) into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), under a name that hashes the
-source and the torch and Python versions, so later processes load the built library. A failed build warns once
-with its reason and the eager torch kernels run instead. ``HF_MHC_CPU_DECODE=0`` turns the fast path off.
+source, the flags and the torch and Python versions, so later processes load the built library. A failed build warns
+once with its reason and the eager torch kernels run instead. ``HF_MHC_CPU_DECODE=0`` turns the fast path off.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from .common import MAP_CODES
 from .post_res_op import post_res_forward
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-MAX_TOKENS = 64  # tokens (all leading dims) up to which the fast path runs; measured crossover in the README
+MAX_TOKENS = 64  # tokens (all leading dims) up to which the fast path runs
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not DTensor or other subclasses, whose data the C++ cannot read
 ENV_SWITCH = "HF_MHC_CPU_DECODE"
@@ -91,8 +92,9 @@ def build() -> ModuleType:
 
 
 @functools.cache
-def kernels() -> ModuleType | None:
-    """The built kernels, or ``None`` after warning once why the build failed (the eager torch kernels then run)."""
+def extension() -> ModuleType | None:
+    """The built C++ extension (the kernels of ``cpu_decode.cpp``), or ``None`` after warning once why the build
+    failed (the eager torch kernels then run)."""
     try:
         return build()
     except Exception as error:  # a missing compiler or ninja, a failed compile: every cause says why in its message
@@ -105,10 +107,10 @@ def kernels() -> ModuleType | None:
 
 def available() -> bool:
     """Whether the fast path is switched on and its kernels built."""
-    return enabled() and kernels() is not None
+    return enabled() and extension() is not None
 
 
-def applies(streams: torch.Tensor, *tensors: torch.Tensor) -> bool:
+def takes_fast_path(streams: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """Whether a call on ``streams [..., n, C]`` (and the op's other ``tensors``) takes the fast path: CPU float32 /
     bfloat16 / float16 tensors with at most ``MAX_TOKENS`` tokens, no gradient wanted (grad mode off, or no input
     requires grad), plain tensors (no ``DTensor``), the switch on and the kernels built. Under ``torch.compile`` the
@@ -124,7 +126,8 @@ def applies(streams: torch.Tensor, *tensors: torch.Tensor) -> bool:
     )
 
 
-def _lead(streams: torch.Tensor, *last: int) -> list[int]:
+def _token_shape(streams: torch.Tensor, *last: int) -> list[int]:
+    """The streams' leading (token) dims followed by ``last``."""
     return [*streams.shape[:-2], *last]
 
 
@@ -133,7 +136,7 @@ def _coeffs_pre_op(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, 
                    eps: float, norm_eps: float, map_code: int, post_magnitude: float,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if available():
-        return tuple(kernels().coeffs_pre(streams, fn, base, scale, iters, eps, norm_eps, map_code, post_magnitude))
+        return tuple(extension().coeffs_pre(streams, fn, base, scale, iters, eps, norm_eps, map_code, post_magnitude))
     residual_map = next(name for name, code in MAP_CODES.items() if code == map_code)
     y, post, comb, *_ = coeffs_pre_forward(streams, fn, base, scale, iters, eps, norm_eps, "torch", False, residual_map,
                                            post_magnitude)
@@ -143,8 +146,9 @@ def _coeffs_pre_op(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, 
 @_coeffs_pre_op.register_fake
 def _(streams, fn, base, scale, iters, eps, norm_eps, map_code, post_magnitude):
     n, hidden = streams.shape[-2:]
-    comb_size = [0] if map_code == MAP_CODES["identity"] else _lead(streams, n, n)
-    return (streams.new_empty(_lead(streams, hidden)), streams.new_empty(_lead(streams, n), dtype=torch.float32),
+    comb_size = [0] if map_code == MAP_CODES["identity"] else _token_shape(streams, n, n)
+    return (streams.new_empty(_token_shape(streams, hidden)),
+            streams.new_empty(_token_shape(streams, n), dtype=torch.float32),
             streams.new_empty(comb_size, dtype=torch.float32))
 
 
@@ -152,7 +156,7 @@ def _(streams, fn, base, scale, iters, eps, norm_eps, map_code, post_magnitude):
 def _post_res_op(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                  identity: bool) -> torch.Tensor:
     if available():
-        return kernels().post_res(streams, y, post, comb, identity)
+        return extension().post_res(streams, y, post, comb, identity)
     return post_res_forward(streams, y, post, comb, "torch", identity)
 
 
@@ -165,31 +169,31 @@ def _(streams, y, post, comb, identity):
 def _head_op(streams: torch.Tensor, hc_fn: torch.Tensor, hc_base: torch.Tensor, hc_scale: torch.Tensor, eps: float,
              norm_eps: float) -> torch.Tensor:
     if available():
-        return kernels().head(streams, hc_fn, hc_base, hc_scale, eps, norm_eps)
+        return extension().head(streams, hc_fn, hc_base, hc_scale, eps, norm_eps)
     return coeffs_pre_forward(streams, hc_fn, hc_base, hc_scale, 1, eps, norm_eps, "torch", True)[0]
 
 
 @_head_op.register_fake
 def _(streams, hc_fn, hc_base, hc_scale, eps, norm_eps):
-    return streams.new_empty(_lead(streams, streams.shape[-1]))
+    return streams.new_empty(_token_shape(streams, streams.shape[-1]))
 
 
 def coeffs_pre(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, post, comb)`` of ``cpu_decode.cpp``'s ``coeffs_pre`` (its arguments); the custom op under compile."""
     if torch.compiler.is_compiling():
         return _coeffs_pre_op(*args)
-    return kernels().coeffs_pre(*args)
+    return extension().coeffs_pre(*args)
 
 
 def post_res(*args) -> torch.Tensor:
     """The new streams of ``cpu_decode.cpp``'s ``post_res`` (its arguments); the custom op under compile."""
     if torch.compiler.is_compiling():
         return _post_res_op(*args)
-    return kernels().post_res(*args)
+    return extension().post_res(*args)
 
 
 def head(*args) -> torch.Tensor:
     """``y`` of ``cpu_decode.cpp``'s ``head`` (its arguments); the custom op under compile."""
     if torch.compiler.is_compiling():
         return _head_op(*args)
-    return kernels().head(*args)
+    return extension().head(*args)

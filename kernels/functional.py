@@ -118,9 +118,8 @@ def _check_coeffs_args(op: str, streams, fn, base, scale, sinkhorn_iters: int, e
     if isinstance(post_magnitude, bool) or not isinstance(post_magnitude, (int, float)) or not post_magnitude > 0:
         raise ValueError(f"{op} needs post_magnitude as a number > 0, got {post_magnitude!r}.")
     n, hidden = streams.shape[-2:]
-    if residual_map == "permutations" and n > mhc_reference.MAX_PERMUTATION_STREAMS:
-        raise ValueError(f"{op} with residual_map='permutations' supports n <= {mhc_reference.MAX_PERMUTATION_STREAMS} "
-                         f"streams: it mixes all n! permutation matrices (24 at n=4, 120 at n=5); got n={n}.")
+    if residual_map == "permutations":
+        mhc_reference.check_permutation_streams(n, "n")
     rows, scales = sum(mhc_reference.map_sizes(n, residual_map)), mhc_reference.scale_size(residual_map)
     if fn.shape != (rows, n * hidden) or base.shape != (rows,) or scale.shape != (scales,):
         raise ValueError(
@@ -130,16 +129,8 @@ def _check_coeffs_args(op: str, streams, fn, base, scale, sinkhorn_iters: int, e
 
 
 def mhc_coeffs(
-    streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    sinkhorn_iters: int,
-    eps: float,
-    norm_eps: float,
-    backend: str | None = None,
-    residual_map: str = "sinkhorn",
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, sinkhorn_iters: int,
+    eps: float, norm_eps: float, backend: str | None = None, residual_map: str = "sinkhorn",
     post_magnitude: float = 2.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``streams [B, T, n, C]`` -> ``pre [B, T, n]``, ``post [B, T, n]``, ``comb [B, T, n, n]`` (float32; the comb
@@ -157,16 +148,8 @@ def mhc_coeffs(
 
 
 def mhc_coeffs_pre(
-    streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    sinkhorn_iters: int,
-    eps: float,
-    norm_eps: float,
-    backend: str | None = None,
-    residual_map: str = "sinkhorn",
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, sinkhorn_iters: int,
+    eps: float, norm_eps: float, backend: str | None = None, residual_map: str = "sinkhorn",
     post_magnitude: float = 2.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A site's entry in one op: ``streams [B, T, n, C]`` -> the sublayer input ``y [B, T, C]`` (streams' dtype),
@@ -175,7 +158,7 @@ def mhc_coeffs_pre(
     _check_coeffs_args("mhc_coeffs_pre", streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, residual_map,
                        post_magnitude)
     backend = resolve_backend(backend, streams)
-    if backend == "torch" and cpu_decode.applies(streams, fn, base, scale):
+    if backend == "torch" and cpu_decode.takes_fast_path(streams, fn, base, scale):
         y, post, comb = cpu_decode.coeffs_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps,
                                               MAP_CODES[residual_map], float(post_magnitude))
         return y, post, None if residual_map == "identity" else comb
@@ -218,7 +201,7 @@ def mhc_post_res(
     if identity:
         comb = post.new_empty(0, dtype=torch.float32)
     backend = resolve_backend(backend, streams)
-    if backend == "torch" and y.dtype == streams.dtype and cpu_decode.applies(streams, y, post, comb):
+    if backend == "torch" and y.dtype == streams.dtype and cpu_decode.takes_fast_path(streams, y, post, comb):
         return cpu_decode.post_res(streams, y, post, comb, identity)
     return mhc_post_res_fwd_op(streams, y, post, comb, backend, identity)
 
@@ -243,7 +226,7 @@ def mhc_head(
             f"got {tuple(hc_fn.shape)}, {tuple(hc_base.shape)}, {tuple(hc_scale.shape)}."
         )
     backend = resolve_backend(backend, streams)
-    if backend == "torch" and cpu_decode.applies(streams, hc_fn, hc_base, hc_scale):
+    if backend == "torch" and cpu_decode.takes_fast_path(streams, hc_fn, hc_base, hc_scale):
         return cpu_decode.head(streams, hc_fn, hc_base, hc_scale, eps, norm_eps)
     y, _, _, _ = mhc_head_fwd_op(streams, hc_fn, hc_base, hc_scale, eps, norm_eps, backend)
     return y

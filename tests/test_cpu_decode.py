@@ -1,12 +1,12 @@
-"""The CPU decode fast path (``kernels/cpu_decode.cpp``): its numbers against the float64 reference formula, when the
-ops dispatch to it, greedy generation through it, and the one warning when it cannot be built.
-
-The kernels are JIT-built once per machine (about a minute on 2 cores, then loaded from the torch extensions cache).
+"""The CPU decode fast path (``kernels/cpu_decode.py``, ``cpu_decode.cpp``): its numbers against the float64 oracle
+for every residual map and stream dtype, when the ops dispatch to it, greedy generation through it, and the one warning
+when it cannot be built. The kernels are JIT-built once per machine, then loaded from the torch extensions cache.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import types
 import warnings
@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 from conftest import assert_same_greedy_decoding, tiny_backbone_config
+from reference_check import check_against_reference, random_head_params, random_site_params
 from transformers import AutoModelForCausalLM
 
 import hf_mhc
@@ -21,120 +22,52 @@ from hf_mhc import mhc_reference
 from hf_mhc.kernels import cpu_decode, functional
 from hf_mhc.kernels.common import MAP_CODES
 
-# Per-dtype tolerance on the stream-sized outputs (y, new streams), relative to max |reference|: one rounding to the
-# dtype. The maps (post, comb) are float32 whatever the streams' dtype (the reference reads the same rounded
-# streams), so they get the float32 tolerance.
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-MAP_TOLERANCE = 1e-5
 HIDDEN = 37  # not a multiple of any vector width
 SETTINGS = dict(sinkhorn_iters=20, eps=1e-2, norm_eps=1e-3, post_magnitude=1.5)  # eps large enough to be seen
 
 
 def cases() -> list:
-    return list(_cases())
-
-
-def _cases():
-    for residual_map, n in itertools.product(mhc_reference.RESIDUAL_MAPS, (1, 2, 3, 4, 8)):
-        if residual_map == "permutations" and n > mhc_reference.MAX_PERMUTATION_STREAMS:
-            continue
-        for tokens, dtype in itertools.product((1, 3, 64), TOLERANCE):
-            yield pytest.param(residual_map, n, tokens, dtype, id=f"{residual_map}-n{n}-T{tokens}-{str(dtype)[6:]}")
-
-
-def site_params(n: int, residual_map: str):
-    rows = sum(mhc_reference.map_sizes(n, residual_map))
-    fn = torch.randn(rows, n * HIDDEN) * 0.5
-    base = torch.randn(rows)
-    scale = torch.rand(mhc_reference.scale_size(residual_map)) + 0.5
-    return fn, base, scale
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
-    torch.testing.assert_close(actual.double(), expected, rtol=0, atol=rtol * max(1.0, expected.abs().max().item()))
-
-
-# --- the formula in float64, written out (mhc_reference computes in float32) -----------------------------------
-
-
-def mix64(streams, fn, norm_eps):
-    flat = streams.double().flatten(-2)
-    return (flat / torch.sqrt(flat.square().mean(-1, keepdim=True) + norm_eps)) @ fn.double().T
-
-
-def sinkhorn64(logits, iters, eps):
-    comb = torch.softmax(logits, -1) + eps
-    comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    return comb
-
-
-def maps64(mix, base, scale, n, residual_map, sinkhorn_iters, eps, post_magnitude, **_):
-    """pre, post, comb (None for identity) in float64."""
-    sizes = mhc_reference.map_sizes(n, residual_map)
-    (pre_w, post_w, comb_w), (pre_b, post_b, comb_b) = mix.split(sizes, -1), base.double().split(sizes)
-    s = scale.double()
-    if residual_map == "unconstrained":
-        return (s[0] * torch.tanh(pre_w) + pre_b, s[1] * torch.tanh(post_w) + post_b,
-                (s[2] * torch.tanh(comb_w) + comb_b).unflatten(-1, (n, n)))
-    pre = torch.sigmoid(s[0] * pre_w + pre_b) + eps
-    if residual_map == "identity":
-        return pre, post_magnitude * torch.sigmoid(s[1] * post_w + post_b) + eps, None
-    post = 2 * torch.sigmoid(s[1] * post_w + post_b)
-    if residual_map == "permutations":
-        weights = torch.softmax(s[2] * comb_w + comb_b, -1)
-        order = torch.tensor(list(itertools.permutations(range(n))))
-        perms = torch.eye(n, dtype=torch.float64)[order]  # P_k[i, perm_k[i]] = 1
-        return pre, post, torch.einsum("...k,kij->...ij", weights, perms)
-    return pre, post, sinkhorn64((s[2] * comb_w + comb_b).unflatten(-1, (n, n)), sinkhorn_iters, eps)
-
-
-def collapse64(streams, weights):
-    return (weights.unsqueeze(-1) * streams.double()).sum(-2)
-
-
-def post_res64(streams, y, post, comb):
-    x = streams.double()
-    mixed = x if comb is None else comb.double().transpose(-1, -2) @ x
-    return post.double().unsqueeze(-1) * y.double().unsqueeze(-2) + mixed
+    return [pytest.param(residual_map, n, tokens, dtype, id=f"{residual_map}-n{n}-T{tokens}-{str(dtype)[6:]}")
+            for residual_map, n in itertools.product(mhc_reference.RESIDUAL_MAPS, (1, 2, 3, 4, 8))
+            if residual_map != "permutations" or n <= mhc_reference.MAX_PERMUTATION_STREAMS
+            for tokens, dtype in itertools.product((1, 3, 64), cpu_decode.FAST_DTYPES)]
 
 
 @pytest.fixture(scope="module")
 def built():
-    module = cpu_decode.kernels()
+    module = cpu_decode.extension()
     assert module is not None, "the CPU decode kernels did not build (see the warning)"
     return module
 
 
 @pytest.mark.parametrize(("residual_map", "n", "tokens", "dtype"), cases())
-def test_kernels_match_float64_reference(built, residual_map, n, tokens, dtype):
+def test_kernels_match_the_oracle(built, residual_map, n, tokens, dtype):
+    """``coeffs_pre``, ``post_res`` (on the maps ``coeffs_pre`` returned) and ``head`` against ``mhc_reference``."""
     streams = torch.randn(1, tokens, n, HIDDEN).to(dtype)
-    fn, base, scale = site_params(n, residual_map)
-    y, post, comb = built.coeffs_pre(streams, fn, base, scale, SETTINGS["sinkhorn_iters"], SETTINGS["eps"],
-                                     SETTINGS["norm_eps"], MAP_CODES[residual_map],
-                                     SETTINGS["post_magnitude"])
-    ref_pre, ref_post, ref_comb = maps64(mix64(streams, fn, SETTINGS["norm_eps"]), base, scale, n, residual_map,
-                                         **SETTINGS)
-    assert y.dtype == dtype and post.dtype == torch.float32 and y.shape == (1, tokens, HIDDEN)
-    close(y, collapse64(streams, ref_pre), TOLERANCE[dtype])
-    close(post, ref_post, MAP_TOLERANCE)
-    if residual_map == "identity":
-        assert comb.numel() == 0
-    else:
-        close(comb, ref_comb, MAP_TOLERANCE)
-
-    sublayer = torch.randn(1, tokens, HIDDEN).to(dtype)
     identity = residual_map == "identity"
-    new = built.post_res(streams, sublayer, post, comb, identity)
-    assert new.dtype == dtype
-    close(new, post_res64(streams, sublayer, post, None if identity else comb), TOLERANCE[dtype])
+    iters, eps, norm_eps, magnitude = (SETTINGS[key] for key in ("sinkhorn_iters", "eps", "norm_eps", "post_magnitude"))
 
-    hc_fn, hc_base, hc_scale = torch.randn(n, n * HIDDEN) * 0.5, torch.randn(n), torch.rand(1) + 0.5
-    head = built.head(streams, hc_fn, hc_base, hc_scale, SETTINGS["eps"], SETTINGS["norm_eps"])
-    head_weights = torch.sigmoid(hc_scale.double() * mix64(streams, hc_fn, SETTINGS["norm_eps"]) + hc_base.double())
-    close(head, collapse64(streams, head_weights + SETTINGS["eps"]), TOLERANCE[dtype])
+    def coeffs_pre(streams, fn, base, scale):
+        y, post, comb = built.coeffs_pre(streams, fn, base, scale, iters, eps, norm_eps, MAP_CODES[residual_map],
+                                         magnitude)
+        assert not identity or comb.numel() == 0
+        return y, post, None if identity else comb
+
+    y, post, comb = check_against_reference(
+        coeffs_pre, functools.partial(mhc_reference.mhc_coeffs_pre, residual_map=residual_map, **SETTINGS),
+        [streams, *random_site_params(n, HIDDEN, residual_map)], backward=False)
+    assert y.dtype == dtype and post.dtype == torch.float32 and y.shape == (1, tokens, HIDDEN)
+
+    def post_res(streams, sublayer, post, comb):
+        return built.post_res(streams, sublayer, post, post.new_empty(0) if comb is None else comb, identity)
+
+    (new,) = check_against_reference(post_res, mhc_reference.mhc_post_res,
+                                     [streams, torch.randn(1, tokens, HIDDEN).to(dtype), post, comb], backward=False)
+    assert new.dtype == dtype
+
+    check_against_reference(lambda *inputs: built.head(*inputs, eps, norm_eps),
+                            functools.partial(mhc_reference.mhc_head, eps=eps, norm_eps=norm_eps),
+                            [streams, *random_head_params(n, HIDDEN)], backward=False)
 
 
 @pytest.fixture
@@ -149,7 +82,7 @@ def counted(built, monkeypatch):
         return call
 
     wrapper = types.SimpleNamespace(**{name: counting(name) for name in calls})
-    monkeypatch.setattr(cpu_decode, "kernels", lambda: wrapper)
+    monkeypatch.setattr(cpu_decode, "extension", lambda: wrapper)
     return calls
 
 
@@ -160,7 +93,7 @@ class Subclass(torch.Tensor):
 def run_site(n=4, tokens=1, requires_grad=False):
     """One site through the public ops: ``mhc_coeffs_pre``, ``mhc_post_res``, ``mhc_head``."""
     streams = torch.randn(1, tokens, n, HIDDEN)
-    fn, base, scale = (p.requires_grad_(requires_grad) for p in site_params(n, "sinkhorn"))
+    fn, base, scale = (p.requires_grad_(requires_grad) for p in random_site_params(n, HIDDEN))
     y, post, comb = functional.mhc_coeffs_pre(streams, fn, base, scale, sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
     new = functional.mhc_post_res(streams, y, post, comb)
     functional.mhc_head(new, fn[:n], base[:n], scale[:1], eps=1e-6, norm_eps=1e-6)
@@ -181,7 +114,7 @@ def test_dispatch_takes_the_fast_path_only_without_grad(counted, monkeypatch):
     assert counted["coeffs_pre"] == 2
     with torch.no_grad():  # a tensor subclass (DTensor, say): the C++ reads plain tensors only
         streams = torch.randn(1, 1, 4, HIDDEN).as_subclass(Subclass)
-        functional.mhc_coeffs_pre(streams, *site_params(4, "sinkhorn"), sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
+        functional.mhc_coeffs_pre(streams, *random_site_params(4, HIDDEN), sinkhorn_iters=20, eps=1e-6, norm_eps=1e-6)
     monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
     with torch.no_grad():
         run_site()
@@ -196,8 +129,8 @@ def test_compiled_decode_calls_the_kernels_through_their_custom_ops(counted, mon
     turned off afterwards (the eager kernels' numbers); with grad it traces the training ops instead."""
     n = 4
     streams = torch.randn(2, 1, n, HIDDEN)
-    fn, base, scale = site_params(n, residual_map)
-    hc_fn, hc_base, hc_scale = torch.randn(n, n * HIDDEN) * 0.5, torch.randn(n), torch.rand(1) + 0.5
+    fn, base, scale = random_site_params(n, HIDDEN, residual_map)
+    hc_fn, hc_base, hc_scale = random_head_params(n, HIDDEN)
 
     def site(streams):
         y, post, comb = functional.mhc_coeffs_pre(streams, fn, base, scale, sinkhorn_iters=20, eps=1e-6,
@@ -228,17 +161,6 @@ def test_compiled_decode_calls_the_kernels_through_their_custom_ops(counted, mon
     assert new.grad_fn is not None and counted["coeffs_pre"] == 3
 
 
-def test_the_decode_custom_ops_are_well_formed(built):
-    n, streams = 3, torch.randn(2, 3, 3, HIDDEN)
-    fn, base, scale = site_params(n, "sinkhorn")
-    y, post, comb = built.coeffs_pre(streams, fn, base, scale, 5, 1e-6, 1e-6, 0, 2.0)
-    hc = torch.randn(n, n * HIDDEN), torch.randn(n), torch.rand(1)
-    for op, args in ((cpu_decode._coeffs_pre_op, (streams, fn, base, scale, 5, 1e-6, 1e-6, 0, 2.0)),
-                     (cpu_decode._post_res_op, (streams, y, post, comb, False)),
-                     (cpu_decode._head_op, (streams, *hc, 1e-6, 1e-6))):
-        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
-
-
 @pytest.mark.parametrize("residual_map", ["sinkhorn", "unconstrained"])
 def test_greedy_generate_same_tokens_as_eager(counted, monkeypatch, residual_map):
     source = AutoModelForCausalLM.from_config(tiny_backbone_config("llama")).eval()
@@ -265,7 +187,7 @@ def test_failed_build_warns_once_and_runs_eager(monkeypatch):
 
     reference = run_site_output()
     monkeypatch.setattr(cpu_decode, "build", no_compiler)
-    cpu_decode.kernels.cache_clear()
+    cpu_decode.extension.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -276,7 +198,7 @@ def test_failed_build_warns_once_and_runs_eager(monkeypatch):
         torch.testing.assert_close(first, reference)
         torch.testing.assert_close(second, reference)
     finally:
-        cpu_decode.kernels.cache_clear()
+        cpu_decode.extension.cache_clear()
 
 
 def run_site_output():

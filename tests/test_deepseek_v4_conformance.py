@@ -1,10 +1,12 @@
-"""Our ops against transformers' own DeepSeek-V4 mHC modules, with the same random parameters.
+"""Our ops against transformers' own hyper-connection modules with the same random parameters: DeepSeek-V4's (mHC,
+also GLM-5-Next's) and HY-V4's (the identity map).
 
-Each output is held to two scale-aware bounds that hold on any CPU and thread count, with the float64 formula on the
-same parameters as the truth (``test_ops``' independent transcription): it agrees with DeepSeek-V4's float32 output
+Each output is held to two scale-aware bounds that hold on any CPU and thread count, with the formula of
+``hf_mhc.mhc_reference`` in float64 on the same parameters as the truth: it agrees with upstream's float32 output
 within ``AGREEMENT_ULPS`` float32 ulps of the output's scale (a transposed ``comb`` or a missing term is off by a
-sizeable fraction of it), and it is at least as accurate as DeepSeek-V4's own float32 rounding (twice its error, plus
-``ACCURACY_SLACK_ULPS``), so a reordering that loses accuracy fails even when it stays close to DeepSeek-V4.
+sizeable fraction of it), and it is at least as accurate as upstream's own float32 rounding (twice its error, plus
+``ACCURACY_SLACK_ULPS``), so a reordering that loses accuracy fails even when it stays close to upstream. Agreement with
+upstream is also what checks the reference formula itself.
 """
 
 from __future__ import annotations
@@ -14,32 +16,33 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_ops import ref_coeffs, ref_head, ref_post_res, ref_pre
 from torch import nn
+from transformers import HYV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4DecoderLayer,
     DeepseekV4HyperConnection,
     DeepseekV4HyperHead,
 )
+from transformers.models.hy_v4.modeling_hy_v4 import HYV4HyperConnection
 
-from hf_mhc.kernels import mhc_coeffs, mhc_head, mhc_post_res, mhc_pre
+from hf_mhc import mhc_reference
+from hf_mhc.kernels import mhc_coeffs, mhc_coeffs_pre, mhc_head, mhc_post_res, mhc_pre
 
 HIDDEN = 24
-# Measured over 20 seeds and n = 1, 2, 3, 4, 8: ours vs DeepSeek-V4 at most 2.6 ulps of the scale, each vs float64
-# at most 9.7 (comb at n = 8).
-AGREEMENT_ULPS = 8
-ACCURACY_SLACK_ULPS = 2
+AGREEMENT_ULPS = 8  # ours vs upstream, in float32 ulps of the output's largest float64 value
+ACCURACY_SLACK_ULPS = 2  # how much less accurate than upstream's float32 rounding ours may be, beyond twice its error
+FLOAT64 = dict(compute_dtype=torch.float64)
 
 
 def assert_conforms(ours: torch.Tensor, theirs: torch.Tensor, truth: torch.Tensor) -> None:
-    """``ours`` and ``theirs`` (DeepSeek-V4, float32) against ``truth`` (the float64 formula)."""
+    """``ours`` and ``theirs`` (upstream, float32) against ``truth`` (the float64 formula)."""
     ulp = torch.finfo(torch.float32).eps * truth.abs().max().item()
     ours, theirs = ours.double(), theirs.double()
     agreement = (ours - theirs).abs().max().item()
-    assert agreement <= AGREEMENT_ULPS * ulp, f"differs from DeepSeek-V4 by {agreement / ulp:.1f} ulps of the scale"
+    assert agreement <= AGREEMENT_ULPS * ulp, f"differs from upstream by {agreement / ulp:.1f} ulps of the scale"
     our_error, their_error = (ours - truth).abs().max().item(), (theirs - truth).abs().max().item()
     assert our_error <= 2 * their_error + ACCURACY_SLACK_ULPS * ulp, (
-        f"{our_error / ulp:.1f} ulps from float64, DeepSeek-V4 {their_error / ulp:.1f}"
+        f"{our_error / ulp:.1f} ulps from float64, upstream {their_error / ulp:.1f}"
     )
 
 
@@ -47,12 +50,17 @@ def dsv4_config(n):
     return SimpleNamespace(hc_mult=n, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6, hidden_size=HIDDEN)
 
 
+def randomize_(fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor) -> None:
+    """Upstream's parameters away from their start (``scale = 1``, ``base = 0``): every map token-dependent, uneven."""
+    with torch.no_grad():
+        fn.normal_(0, 0.3)
+        base.normal_(0, 1)
+        scale.uniform_(0.5, 1.5)
+
+
 def random_hyper_connection(n):
     hc = DeepseekV4HyperConnection(dsv4_config(n))
-    with torch.no_grad():
-        hc.fn.normal_(0, 0.3)
-        hc.base.normal_(0, 1)
-        hc.scale.uniform_(0.5, 1.5)
+    randomize_(hc.fn, hc.base, hc.scale)
     return hc
 
 
@@ -63,8 +71,9 @@ def our_coeffs(hc, streams):
 
 def coeffs64(hc, x64):
     """``pre, post, comb`` of ``hc`` from the float64 formula."""
-    return ref_coeffs(x64, hc.fn.double(), hc.base.double(), hc.scale.double(), iters=hc.hc_sinkhorn_iters,
-                      eps=hc.hc_eps, norm_eps=hc.input_norm.eps)
+    return mhc_reference.mhc_coeffs(x64, hc.fn.double(), hc.base.double(), hc.scale.double(),
+                                    sinkhorn_iters=hc.hc_sinkhorn_iters, eps=hc.hc_eps, norm_eps=hc.input_norm.eps,
+                                    **FLOAT64)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
@@ -76,7 +85,7 @@ def test_hyper_connection_matches_deepseek_v4(n):
     pre, post, comb = our_coeffs(hc, streams)
     assert_conforms(post, post_ref, post64)
     assert_conforms(comb, comb_ref, comb64)
-    assert_conforms(mhc_pre(streams, pre), collapsed_ref, ref_pre(streams.double(), pre64))
+    assert_conforms(mhc_pre(streams, pre), collapsed_ref, mhc_reference.mhc_pre(streams.double(), pre64, **FLOAT64))
 
     # DeepSeek-V4 consumes `pre` inside its forward; recover its value from float64 streams, for which the collapse
     # `sum_i pre_i X_i` of its float32 `pre` is exact up to float64 rounding (X [n, C] has full row rank).
@@ -121,18 +130,41 @@ def test_decoder_layer_merge_matches_deepseek_v4(n):
         x64 = site_in.double()
         pre64, post64, comb64 = coeffs64(hc, x64)
         sublayer64 = copy.deepcopy(sublayer).double()
-        assert_conforms(merged, site_out, ref_post_res(x64, sublayer64(ref_pre(x64, pre64)), post64, comb64))
+        sublayer_output64 = sublayer64(mhc_reference.mhc_pre(x64, pre64, **FLOAT64))
+        assert_conforms(merged, site_out, mhc_reference.mhc_post_res(x64, sublayer_output64, post64, comb64, **FLOAT64))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_head_matches_deepseek_v4(n):
     head = DeepseekV4HyperHead(dsv4_config(n))
-    with torch.no_grad():
-        head.hc_fn.normal_(0, 0.3)
-        head.hc_base.normal_(0, 1)
-        head.hc_scale.uniform_(0.5, 1.5)
+    randomize_(head.hc_fn, head.hc_base, head.hc_scale)
     streams = torch.randn(2, 5, n, HIDDEN)
     out = mhc_head(streams, head.hc_fn, head.hc_base, head.hc_scale, eps=head.eps, norm_eps=head.input_norm.eps)
-    truth = ref_head(streams.double(), head.hc_fn.double(), head.hc_base.double(), head.hc_scale.double(),
-                     eps=head.eps, norm_eps=head.input_norm.eps)
+    truth = mhc_reference.mhc_head(streams.double(), head.hc_fn.double(), head.hc_base.double(),
+                                   head.hc_scale.double(), eps=head.eps, norm_eps=head.input_norm.eps, **FLOAT64)
     assert_conforms(out, head(streams), truth)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_identity_map_matches_hy_v4(backend, n):
+    """transformers' ``HYV4HyperConnection`` (its ``hc_magnitude`` is our ``post_magnitude``) and its decoder layer's
+    merge ``X[i] + post[i] * y``: ``mhc_coeffs_pre`` with ``residual_map="identity"``, ``mhc_post_res(comb=None)``."""
+    magnitude = 2.5  # not 2, so that a hard-coded 2 fails
+    config = HYV4Config(hidden_size=HIDDEN, hc_mult=n, hc_magnitude=magnitude, hc_eps=1e-6, rms_norm_eps=1e-6)
+    upstream = HYV4HyperConnection(config)
+    randomize_(upstream.fn, upstream.base, upstream.scale)
+    streams, sublayer_output = torch.randn(2, 5, n, HIDDEN), torch.randn(2, 5, HIDDEN)
+    post_ref, collapsed_ref = upstream(streams)
+    merged_ref = post_ref.unsqueeze(-1) * sublayer_output.unsqueeze(-2) + streams
+    settings = dict(sinkhorn_iters=1, eps=upstream.hc_eps, norm_eps=upstream.input_norm.eps, residual_map="identity",
+                    post_magnitude=magnitude)
+    params = (upstream.fn, upstream.base, upstream.scale)
+    collapsed, post, comb = mhc_coeffs_pre(streams, *params, backend=backend, **settings)
+    assert comb is None
+    x64 = streams.double()
+    collapsed64, post64, _ = mhc_reference.mhc_coeffs_pre(x64, *(p.double() for p in params), **settings, **FLOAT64)
+    assert_conforms(post, post_ref, post64)
+    assert_conforms(collapsed, collapsed_ref, collapsed64)
+    assert_conforms(mhc_post_res(streams, sublayer_output, post, None, backend=backend), merged_ref,
+                    mhc_reference.mhc_post_res(x64, sublayer_output.double(), post64, None, **FLOAT64))

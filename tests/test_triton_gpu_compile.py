@@ -1,7 +1,7 @@
 """Every Triton kernel compiles for a real GPU, not only for the interpreter that runs them in the other tests.
 
-The interpreter accepts programs that Triton's compiler rejects (it found one: a name bound to two shapes in the two
-branches of a runtime ``if``). ``workers/compile_for_cuda.py`` runs the real launchers with GPU block sizes and
+The interpreter accepts programs that Triton's compiler rejects (a name bound to two shapes in the two branches of a
+runtime ``if``, for one). ``workers/compile_for_cuda.py`` runs the real launchers with GPU block sizes and
 compiles each launch down to an sm_90 (H100 / H200) or sm_80 (A100) cubin, with the LLVM and ptxas that ship in the
 triton wheel: no GPU needed. It also reads each cubin's resource usage: no kernel may spill registers to local memory
 or ask for more shared memory per block than the smallest limit among recent GPUs (99 KB on sm_86 / sm_89; sm_80 has

@@ -1,5 +1,5 @@
-"""``apply_mhc_kernels``: run the mHC maps of transformers' own models (DeepSeek-V4, GLM-5-Next, HY-V4, HY-V4-VL)
-through our ops."""
+"""``apply_mhc_kernels``: monkey patches that run the hyper-connections of transformers' own models (DeepSeek-V4,
+GLM-5-Next, HY-V4, HY-V4-VL) through the ops of ``hf_mhc.kernels``. Importing this module needs the kernels (Triton)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers.utils.deprecation import deprecate_kwarg
 
-from .functional import mhc_coeffs_pre, mhc_head, mhc_post_res, resolve_backend
+from .kernels.functional import mhc_coeffs_pre, mhc_head, mhc_post_res, resolve_backend
 
 
 def _hyper_connection_forward(backend: str | None):
@@ -46,7 +46,15 @@ def _deepseek_v4_decoder_forward(backend: str | None):
     return forward
 
 
-def _glm5_next_decoder_forward(backend: str | None):
+def _enter(hyper_connection: nn.Module,
+           streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(post, comb, collapsed)`` of a patched hyper-connection; ``comb`` is ``None`` for HY-V4's identity map, whose
+    hyper-connection returns ``(post, collapsed)``."""
+    maps = hyper_connection(streams)
+    return maps if len(maps) == 3 else (maps[0], None, maps[1])
+
+
+def _indexed_attention_decoder_forward(backend: str | None):
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
@@ -56,15 +64,16 @@ def _glm5_next_decoder_forward(backend: str | None):
         cache=None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        prev_topk_indices: torch.Tensor | None = None,
+        prev_topk_indices: torch.LongTensor | None = None,
         **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """GLM-5-Next's decoder layer (linear or indexed attention) with both stream merges fused (``mhc_post_res``);
+    ) -> tuple[torch.Tensor, torch.LongTensor | None]:
+        """The decoder layer of GLM-5-Next (linear or indexed attention) and of HY-V4 / HY-V4-VL (indexed attention,
+        the identity map) with both stream merges fused (``mhc_post_res``; ``comb=None`` for the identity map);
         returns ``(streams, topk_indices)`` as upstream."""
-        post, comb, collapsed = self.attn_hc(hidden_states)
+        post, comb, collapsed = _enter(self.attn_hc, hidden_states)
         attn_input = self.input_layernorm(collapsed)
         topk_indices = None
-        if self.block_type == "linear_attention":
+        if getattr(self, "block_type", None) == "linear_attention":
             attn_output = self.self_attn(hidden_states=attn_input, cache=cache, attention_mask=attention_mask, **kwargs)
         else:
             attn_output, _, topk_indices = self.self_attn(
@@ -73,7 +82,7 @@ def _glm5_next_decoder_forward(backend: str | None):
                 **kwargs,
             )
         hidden_states = mhc_post_res(hidden_states, attn_output, post, comb, backend=backend)
-        post, comb, collapsed = self.ffn_hc(hidden_states)
+        post, comb, collapsed = _enter(self.ffn_hc, hidden_states)
         mlp_output = self.mlp(self.post_attention_layernorm(collapsed))
         return mhc_post_res(hidden_states, mlp_output, post, comb, backend=backend), topk_indices
 
@@ -94,35 +103,6 @@ def _identity_hyper_connection_forward(backend: str | None):
     return forward
 
 
-def _hy_v4_decoder_forward(backend: str | None):
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache=None,
-        use_cache: bool | None = False,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        prev_topk_indices: torch.LongTensor | None = None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.LongTensor | None]:
-        """HY-V4's (and HY-V4-VL's) decoder layer with both identity merges ``X[i] + post[i]·y`` fused
-        (``mhc_post_res(..., comb=None)``); returns ``(streams, topk_indices)`` as upstream."""
-        post, collapsed = self.attn_hc(hidden_states)
-        attn_output, _, topk_indices = self.self_attn(
-            hidden_states=self.input_layernorm(collapsed), attention_mask=attention_mask, position_ids=position_ids,
-            cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
-            prev_topk_indices=prev_topk_indices, **kwargs,
-        )
-        hidden_states = mhc_post_res(hidden_states, attn_output, post, None, backend=backend)
-        post, collapsed = self.ffn_hc(hidden_states)
-        mlp_output = self.mlp(self.post_attention_layernorm(collapsed))
-        return mhc_post_res(hidden_states, mlp_output, post, None, backend=backend), topk_indices
-
-    return forward
-
-
 def patched_modules(backend: str | None) -> dict[type[nn.Module], Callable]:
     """The transformers modules ``apply_mhc_kernels`` patches, each with its new forward (the one list of what it
     supports)."""
@@ -136,13 +116,13 @@ def patched_modules(backend: str | None) -> dict[type[nn.Module], Callable]:
         dsv4.DeepseekV4HyperHead: _hyper_head_forward(backend),
         dsv4.DeepseekV4DecoderLayer: _deepseek_v4_decoder_forward(backend),
         glm5.Glm5NextTextHyperConnection: _hyper_connection_forward(backend),
-        glm5.Glm5NextTextDecoderLayer: _glm5_next_decoder_forward(backend),
+        glm5.Glm5NextTextDecoderLayer: _indexed_attention_decoder_forward(backend),
         hyv4.HYV4HyperConnection: _identity_hyper_connection_forward(backend),
         hyv4.HYV4HyperHead: _hyper_head_forward(backend),
-        hyv4.HYV4DecoderLayer: _hy_v4_decoder_forward(backend),
+        hyv4.HYV4DecoderLayer: _indexed_attention_decoder_forward(backend),
         hyv4_vl.HYV4VLHyperConnection: _identity_hyper_connection_forward(backend),
         hyv4_vl.HYV4VLHyperHead: _hyper_head_forward(backend),
-        hyv4_vl.HYV4VLDecoderLayer: _hy_v4_decoder_forward(backend),
+        hyv4_vl.HYV4VLDecoderLayer: _indexed_attention_decoder_forward(backend),
     }
 
 

@@ -1,4 +1,5 @@
-"""``apply_mhc_kernels`` on transformers' own mHC models: same logits and gradients as upstream."""
+"""``hf_mhc.monkey_patch`` (``apply_mhc_kernels``) on transformers' own mHC models: the same logits and gradients as
+upstream."""
 
 from __future__ import annotations
 
@@ -19,8 +20,13 @@ from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextCo
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextHyperConnection, Glm5NextTextModel
 from transformers.models.hy_v4_vl.modeling_hy_v4_vl import HYV4VLTextModel
 
-import hf_mhc.kernels.integrations as integrations
+import hf_mhc.monkey_patch as monkey_patch
 from hf_mhc import apply_mhc_kernels
+
+# The patched model against upstream, both in float32 (the same math in another order), per entry: outputs within
+# 1e-5 + 1e-5·|upstream|, gradients within 1e-5 + 1e-4·|upstream| (sums over every token, which cancel).
+OUTPUT_TOLERANCE = dict(atol=1e-5, rtol=1e-5)
+GRADIENT_TOLERANCE = dict(atol=1e-5, rtol=1e-4)
 
 
 def tiny_deepseek_v4():
@@ -53,10 +59,10 @@ def test_deepseek_v4_logits_and_gradients_are_unchanged(backend):
     ids = torch.randint(0, 67, (2, 12))
     logits_ref, grads_ref = loss_and_grads(upstream, ids)
     logits, grads = loss_and_grads(patched, ids)
-    torch.testing.assert_close(logits, logits_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, logits_ref, **OUTPUT_TOLERANCE)
     assert grads.keys() == grads_ref.keys()
     for name in grads_ref:
-        torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(grads[name], grads_ref[name], msg=name, **GRADIENT_TOLERANCE)
 
 
 def tiny_glm5_next():
@@ -89,10 +95,10 @@ def test_glm5_next_hidden_states_and_gradients_are_unchanged(backend):
         hidden.backward(upstream_grad)
         results.append((hidden.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (hidden_ref, grads_ref), (hidden, grads) = results
-    torch.testing.assert_close(hidden, hidden_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden, hidden_ref, **OUTPUT_TOLERANCE)
     assert grads.keys() == grads_ref.keys() and any("_hc.fn" in name for name in grads)
     for name in grads_ref:
-        torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(grads[name], grads_ref[name], msg=name, **GRADIENT_TOLERANCE)
 
 
 def test_glm5_next_hyper_connection_is_unchanged():
@@ -106,12 +112,12 @@ def test_glm5_next_hyper_connection_is_unchanged():
     streams = torch.randn(2, 5, 4, 24, requires_grad=True)
     upstream_out, patched_out = upstream(streams), patched(streams)
     for ours, theirs in zip(patched_out, upstream_out, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ours, theirs, **OUTPUT_TOLERANCE)
     grads = [torch.randn_like(t) for t in upstream_out]
     expected = torch.autograd.grad(upstream_out, [streams, upstream.fn], grads)
     got = torch.autograd.grad(patched_out, [streams, patched.fn], grads)
     for ours, theirs in zip(got, expected, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours, theirs, **GRADIENT_TOLERANCE)
 
 
 # HY-V4: a dense and a MoE layer, a full and a shared DSA indexer; hc_magnitude 2.5 (not DeepSeek's 2), and hc_eps,
@@ -154,10 +160,11 @@ def output_and_grads(model, ids, output_grad):
     ("hy_v4_vl", 4, "torch"), ("hy_v4_vl", 4, "triton"),
 ])
 def test_hy_v4_outputs_and_gradients_are_unchanged(kind, hc_mult, backend, monkeypatch):
-    """Every output and gradient within ``(1e-5 + 4u) * max|upstream|``, where ``u`` is upstream's own float32 error
-    (its worst over the output and gradients, relative to the same model in float64): the one- and few-entry
-    gradients (``scale``, ``hc_scale``, ``hc_base``, the attention sinks) are sums over every token and stream that
-    cancel, and float32 rounding alone moves them by up to ~5e-4 of their value, upstream's as much as ours."""
+    """Every output and gradient within ``(atol + 4u) * max|upstream|`` (``atol`` of ``OUTPUT_TOLERANCE``), where ``u``
+    is upstream's own float32 error (its worst over the output and gradients, relative to the same model in float64):
+    the one- and few-entry gradients (``scale``, ``hc_scale``, ``hc_base``, the attention sinks) are sums over every
+    token and stream that cancel, and float32 rounding alone moves them by up to ~5e-4 of their value, upstream's as
+    much as ours."""
     upstream = tiny_hy_v4(kind, hc_mult)
     patched = apply_mhc_kernels(copy.deepcopy(upstream), backend=backend)
     assert sum("forward" in vars(m) for m in patched.modules()) == 7  # 4 hyper-connections, 2 decoder layers, head
@@ -175,7 +182,7 @@ def test_hy_v4_outputs_and_gradients_are_unchanged(kind, hc_mult, backend, monke
     results += [(name, grads[name], grads_ref[name], grads_exact[name]) for name in grads_ref]
     upstream_error = max(((ref.double() - value).abs().max() / value.abs().max()).item() for *_, ref, value in results)
     for name, ours, ref, _ in results:
-        atol = (1e-5 + 4 * upstream_error) * ref.abs().max().item()
+        atol = (OUTPUT_TOLERANCE["atol"] + 4 * upstream_error) * ref.abs().max().item()
         torch.testing.assert_close(ours, ref, atol=atol, rtol=0, msg=name)
 
 
@@ -186,7 +193,7 @@ def test_hy_v4_runs_through_the_ops(monkeypatch):
     calls, poisoned = [], set()
 
     def counting(name):
-        op = getattr(integrations, name)
+        op = getattr(monkey_patch, name)
 
         def call(*args, **kwargs):
             calls.append((name, kwargs.get("residual_map"), kwargs.get("post_magnitude"),
@@ -200,7 +207,7 @@ def test_hy_v4_runs_through_the_ops(monkeypatch):
         return call
 
     for name in ("mhc_coeffs_pre", "mhc_post_res", "mhc_head"):
-        monkeypatch.setattr(integrations, name, counting(name))
+        monkeypatch.setattr(monkey_patch, name, counting(name))
     ids = torch.randint(1, 67, (1, 5))
     for kind in ("hy_v4", "hy_v4_vl"):
         model = apply_mhc_kernels(tiny_hy_v4(kind, 4))
