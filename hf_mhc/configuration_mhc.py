@@ -14,7 +14,7 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from .mhc_reference import MAX_PERMUTATION_STREAMS, RESIDUAL_MAPS
+from .mhc_reference import RESIDUAL_MAPS, check_permutation_streams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,10 +220,8 @@ class MHCConfig(PreTrainedConfig):
         if not isinstance(self.hc_residual_map, str) or self.hc_residual_map not in RESIDUAL_MAPS:
             raise ValueError(f"hc_residual_map must be one of {', '.join(RESIDUAL_MAPS)}; "
                              f"got {self.hc_residual_map!r}.")
-        if self.hc_residual_map == "permutations" and self.hc_mult > MAX_PERMUTATION_STREAMS:
-            raise ValueError(f"hc_residual_map='permutations' supports hc_mult <= {MAX_PERMUTATION_STREAMS}: it mixes "
-                             f"all n! permutation matrices, a cost that grows as n! (24 at n=4, 120 at n=5); got "
-                             f"hc_mult={self.hc_mult}.")
+        if self.hc_residual_map == "permutations":
+            check_permutation_streams(self.hc_mult, "hc_mult", "hc_residual_map")
         _check_finite("hc_post_magnitude", self.hc_post_magnitude)
         if not self.hc_post_magnitude > 0:
             raise ValueError(f"hc_post_magnitude must be > 0, got {self.hc_post_magnitude!r}.")
