@@ -37,11 +37,12 @@ __version__ = "0.1.0"
 
 
 def apply_mhc_kernels(model, backend: str | None = None):
-    """Route the mHC math of a transformers DeepSeek-V4 / GLM-5-Next model through ``hf_mhc.kernels`` (see
-    :func:`hf_mhc.kernels.apply_mhc_kernels`). Imported on use: ``import hf_mhc`` works where Triton is missing."""
-    from .kernels import apply_mhc_kernels as apply
+    """Run the hyper-connections of a transformers DeepSeek-V4, GLM-5-Next or HY-V4 model through ``hf_mhc.kernels``
+    (see :func:`hf_mhc.monkey_patch.apply_mhc_kernels`). Imported on use: ``import hf_mhc`` works without Triton."""
+    from .monkey_patch import apply_mhc_kernels as apply
 
     return apply(model, backend=backend)
+
 
 __all__ = [
     "SUPPORTED_BACKBONES",
