@@ -69,8 +69,8 @@ from transformers.integrations import moe
 from .configuration_mhc import MHCConfig, check_attention_heads, check_backbone_type, load_pretrained_config
 from .conversion.convert import DTYPES  # the model dtypes hf-mhc's commands take
 from .conversion.upcycle import mhc_config_for
-from .kernels.profiling import held_for_backward
 from .modeling_mhc import HC_MODULE_NAMES
+from .profiling import held_for_backward
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 WINDOW_TENSOR_BYTES = 8  # the int64 scalar a DynamicSlidingWindowLayer holds (its `_sliding_window_tensor`)

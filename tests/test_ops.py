@@ -28,7 +28,7 @@ from hf_mhc.kernels import (
 from hf_mhc.kernels.coeffs_pre_op import mhc_coeffs_pre_bwd_op, mhc_coeffs_pre_fwd_op
 from hf_mhc.kernels.common import map_token_chunks
 from hf_mhc.kernels.post_res_op import mhc_post_res_bwd_op
-from hf_mhc.kernels.profiling import saved_bytes_for_backward
+from hf_mhc.profiling import saved_bytes_for_backward
 
 BACKENDS = ["torch", "triton"]
 

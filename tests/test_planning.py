@@ -18,8 +18,8 @@ from transformers_suite import run_distributed
 import hf_mhc
 from hf_mhc import MHCConfig, MHCForCausalLM
 from hf_mhc.cli import main
-from hf_mhc.kernels.profiling import cache_bytes
 from hf_mhc.planning import format_plan, plan_memory
+from hf_mhc.profiling import cache_bytes
 
 TOKENS = 11  # more than every tiny sliding window (Mistral 6, Gemma 3 4, Qwen2's below 5)
 GiB = 2**30

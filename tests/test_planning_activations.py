@@ -20,8 +20,8 @@ from transformers.integrations import moe
 
 import hf_mhc
 from hf_mhc.conversion.upcycle import mhc_config_for
-from hf_mhc.kernels.profiling import held_for_backward
 from hf_mhc.planning import ACTIVATION_CASES, _forward_as_in_training, activations_held, held_by_case, plan_memory
+from hf_mhc.profiling import held_for_backward
 
 BATCH, TOKENS = 2, 24  # more tokens than Mistral's and Gemma 3's sliding windows
 CASES = [(False, False), (True, False), (False, True)]  # (hc_recompute, gradient checkpointing)

@@ -34,7 +34,7 @@ from test_ops import (  # noqa: F401 (autouse fixtures)
 
 from hf_mhc import MHCConfig, MHCForCausalLM
 from hf_mhc.kernels import mhc_coeffs, mhc_coeffs_pre, mhc_post_res
-from hf_mhc.kernels.profiling import saved_bytes_for_backward
+from hf_mhc.profiling import saved_bytes_for_backward
 
 BACKENDS = ["torch", "triton"]
 VARIANTS = ["unconstrained", "identity", "permutations"]
