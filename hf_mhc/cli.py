@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hf-mhc {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BAD_INPUT_ERRORS as error:
-        return _fail(args.command, first_line(error))
+        return print_error(args.command, first_line(error))
 
 
 def first_line(error: BaseException) -> str:
@@ -163,7 +163,7 @@ def _setup_convert(parser: argparse.ArgumentParser) -> None:
 
 
 def _setup_inspect(parser: argparse.ArgumentParser) -> None:
-    from .diagnostics import INSPECT_DESCRIPTION, add_inspect_arguments, run_inspect  # imports Trainer: only here
+    from .diagnostics_cli import INSPECT_DESCRIPTION, add_inspect_arguments, run_inspect  # loads models: only here
 
     parser.description = INSPECT_DESCRIPTION
     add_inspect_arguments(parser).set_defaults(run=run_inspect)
@@ -207,7 +207,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     if error is None and local and not (Path(args.config).expanduser() / "config.json").is_file():
         error = f"no config.json in {args.config}"
     if error:
-        return _fail("plan", error)
+        return print_error("plan", error)
     plan = plan_memory(args.config, tokens=args.tokens, batch=args.batch, dtype=args.dtype, hc_mult=args.hc_mult,
                        residual_map=args.residual_map, tp=args.tp, pp=args.pp, fsdp=args.fsdp,
                        microbatches=args.microbatches)
@@ -234,7 +234,7 @@ def _run_convert(args: argparse.Namespace) -> int:
                 allow_pickle=args.allow_pickle,
             )
     except (ConversionError, OSError) as error:
-        return _fail("convert", str(error))
+        return print_error("convert", str(error))
     except KeyboardInterrupt:
         print("hf-mhc convert: interrupted; OUT was not written (an existing OUT is unchanged).", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -268,7 +268,9 @@ def _print_report(report: ConversionReport) -> None:
         print(f"Verification: {report.verification.summary()}")
 
 
-def _fail(command: str, message: str) -> int:
+def print_error(command: str, message: str) -> int:
+    """Print ``message`` as one ``hf-mhc COMMAND: error: ...`` line on stderr (its whitespace runs made single spaces);
+    return the error status, 1."""
     print(f"hf-mhc {command}: error: {' '.join(message.split())}", file=sys.stderr)
     return EXIT_ERROR
 
@@ -300,4 +302,5 @@ __all__ = [
     "looks_like_local_path",
     "main",
     "output_path_error",
+    "print_error",
 ]

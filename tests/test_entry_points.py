@@ -12,6 +12,7 @@ from conftest import import_script, tiny_backbone_config
 from transformers import LlamaForCausalLM
 
 import hf_mhc
+import hf_mhc.diagnostics_cli
 from hf_mhc.cli import folder_error, looks_like_local_path, main, output_path_error
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
@@ -41,12 +42,10 @@ def test_hf_mhc_says_no_such_folder_and_turns_bad_input_into_one_line(capsys, mo
     assert main(["inspect", "./no/such/checkpoint"]) == 1
     assert capsys.readouterr().err == "hf-mhc inspect: error: no such folder: ./no/such/checkpoint\n"
 
-    import hf_mhc.diagnostics
-
     def disk_full(args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(hf_mhc.diagnostics, "run_inspect", disk_full)
+    monkeypatch.setattr(hf_mhc.diagnostics_cli, "run_inspect", disk_full)
     assert main(["inspect", "anything"]) == 1
     assert capsys.readouterr().err == "hf-mhc inspect: error: [Errno 28] No space left on device\n"
     with pytest.raises(SystemExit) as exit_info:  # what argparse itself rejects keeps its status 2
