@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
+from .configuration_mhc import MHCConfig
 from .conversion import ConversionError, ConversionReport, convert_checkpoint
 from .conversion.convert import DEFAULT_MAX_SHARD_SIZE, DTYPES
 from .conversion.source import looks_like_local_path
@@ -35,6 +36,14 @@ from .mhc_reference import RESIDUAL_MAPS
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
+DEFAULT_HC_MULT = MHCConfig.hc_mult  # the streams of a converted or upcycled model when --hc-mult is not given
+# The options several commands take (hf-mhc's subcommands and the examples), defined once; each command adds its own
+# default and help with add_shared_option.
+SHARED_OPTIONS: dict[str, dict] = {
+    "--hc-mult": dict(type=int, metavar="N"),
+    "--residual-map": dict(choices=list(RESIDUAL_MAPS)),
+    "--dtype": dict(choices=list(DTYPES)),
+}
 # What bad input or a bad environment raises in a subcommand (a missing file, a config transformers rejects: see
 # load_pretrained_config, a missing package): reported in one line, without a traceback.
 BAD_INPUT_ERRORS: tuple[type[Exception], ...] = (OSError, ValueError, ImportError)
@@ -123,6 +132,14 @@ def output_path_error(name: str, *, folder: bool) -> str | None:
     return None
 
 
+def add_shared_option(parser: argparse._ActionsContainer, flag: str, **command_options) -> None:
+    """Add ``flag`` as :data:`SHARED_OPTIONS` defines it to ``parser`` (a parser or an argument group), with this
+    command's ``default`` and ``help``; ``ValueError`` for anything else, which would redefine the option."""
+    if set(command_options) - {"default", "help"}:
+        raise ValueError(f"{flag} has one definition: only its default and help may be given, not {command_options}")
+    parser.add_argument(flag, **SHARED_OPTIONS[flag], **command_options)
+
+
 def _setup_convert(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Stream a residual causal-LM checkpoint (a folder or a Hub model id) into a new mHC checkpoint folder: "
@@ -131,15 +148,14 @@ def _setup_convert(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("src", metavar="SRC", help="checkpoint folder or Hugging Face Hub model id")
     parser.add_argument("out", metavar="OUT", help="folder to create (must not exist or be empty)")
-    parser.add_argument("--hc-mult", type=int, default=4, metavar="N", help="number of residual streams (default 4)")
-    parser.add_argument(
-        "--residual-map", choices=list(RESIDUAL_MAPS), default="sinkhorn",
+    add_shared_option(parser, "--hc-mult", default=DEFAULT_HC_MULT,
+                      help=f"number of residual streams (default {DEFAULT_HC_MULT})")
+    add_shared_option(
+        parser, "--residual-map", default="sinkhorn",
         help="how the streams are mixed: sinkhorn (mHC, default), unconstrained (Hyper-Connections), identity "
              "(unmixed, HY-V4), permutations (mHC-lite, hc-mult <= 4)",
     )
-    parser.add_argument(
-        "--dtype", choices=list(DTYPES), help="cast the backbone weights (HC weights stay float32); default: keep"
-    )
+    add_shared_option(parser, "--dtype", help="cast the backbone weights (HC weights stay float32); default: keep")
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -178,12 +194,12 @@ def _setup_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG", help="folder holding config.json, or Hugging Face Hub model id")
     parser.add_argument("--tokens", type=int, default=8192, metavar="N", help="tokens per sequence (default 8192)")
     parser.add_argument("--batch", type=int, default=1, metavar="B", help="sequences (default 1)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
-                        help="backbone weights, KV cache and streams (default bfloat16; HC weights stay float32)")
-    parser.add_argument("--hc-mult", type=int, metavar="N",
-                        help="plan the mHC model with N streams (default: the config's own; a residual config as is)")
-    parser.add_argument("--residual-map", choices=list(RESIDUAL_MAPS),
-                        help="hc_residual_map of the planned mHC model (default: the config's own, else sinkhorn)")
+    add_shared_option(parser, "--dtype", default="bfloat16",
+                      help="backbone weights, KV cache and streams (default bfloat16; HC weights stay float32)")
+    add_shared_option(parser, "--hc-mult",
+                      help="plan the mHC model with N streams (default: the config's own; a residual config as is)")
+    add_shared_option(parser, "--residual-map",
+                      help="hc_residual_map of the planned mHC model (default: the config's own, else sinkhorn)")
     parser.add_argument("--tp", type=int, default=1, metavar="K", help="tensor-parallel degree (default 1)")
     parser.add_argument("--pp", type=int, default=1, metavar="K", help="pipeline stages (default 1)")
     parser.add_argument("--fsdp", type=int, default=1, metavar="K", help="FSDP shards per stage (default 1)")
@@ -294,8 +310,11 @@ def _sigterm_raises_keyboard_interrupt() -> Iterator[None]:
 
 __all__ = [
     "BAD_INPUT_ERRORS",
+    "DEFAULT_HC_MULT",
+    "SHARED_OPTIONS",
     "SUBCOMMANDS",
     "Subcommand",
+    "add_shared_option",
     "build_parser",
     "first_line",
     "folder_error",
