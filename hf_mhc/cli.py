@@ -51,10 +51,12 @@ BAD_INPUT_ERRORS: tuple[type[Exception], ...] = (OSError, ValueError, ImportErro
 
 @dataclass(frozen=True)
 class Subcommand:
-    """One ``hf-mhc`` subcommand: its help line, and ``setup(parser)`` adding its arguments and ``run`` handler."""
+    """One ``hf-mhc`` subcommand: its help line, ``setup(parser)`` adding its arguments and ``run`` handler, and the
+    description its ``--help`` shows (``None``: the help line, or what ``setup`` sets)."""
 
     help: str
     setup: Callable[[argparse.ArgumentParser], None]
+    description: str | None = None
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -65,7 +67,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hf-mhc {__version__}")
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, subcommand in SUBCOMMANDS.items():
-        subparser = subcommands.add_parser(name, help=subcommand.help, description=subcommand.help)
+        subparser = subcommands.add_parser(name, help=subcommand.help,
+                                           description=subcommand.description or subcommand.help)
         if command is None or command == name:
             subcommand.setup(subparser)
     return parser
@@ -141,11 +144,6 @@ def add_shared_option(parser: argparse._ActionsContainer, flag: str, **command_o
 
 
 def _setup_convert(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Stream a residual causal-LM checkpoint (a folder or a Hub model id) into a new mHC checkpoint folder: "
-        "backbone tensors copied unchanged, function-preserving HC tensors added, then verified against the "
-        "source. OUT is written only once complete; on any error SRC and OUT are left as they were."
-    )
     parser.add_argument("src", metavar="SRC", help="checkpoint folder or Hugging Face Hub model id")
     parser.add_argument("out", metavar="OUT", help="folder to create (must not exist or be empty)")
     add_shared_option(parser, "--hc-mult", default=DEFAULT_HC_MULT,
@@ -186,11 +184,6 @@ def _setup_inspect(parser: argparse.ArgumentParser) -> None:
 
 
 def _setup_plan(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Plan the memory of a model from its config alone (a folder or Hugging Face Hub model id; no weights are "
-        "read): KV cache, parameters per device, mHC stream traffic, activations held for backward (residual, mHC, "
-        "hc_recompute, gradient checkpointing), pipeline-boundary bytes."
-    )
     parser.add_argument("config", metavar="CONFIG", help="folder holding config.json, or Hugging Face Hub model id")
     parser.add_argument("--tokens", type=int, default=8192, metavar="N", help="tokens per sequence (default 8192)")
     parser.add_argument("--batch", type=int, default=1, metavar="B", help="sequences (default 1)")
@@ -209,9 +202,19 @@ def _setup_plan(parser: argparse.ArgumentParser) -> None:
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
-    "convert": Subcommand("convert a residual causal-LM checkpoint into an mHC checkpoint", _setup_convert),
+    "convert": Subcommand(
+        "convert a residual causal-LM checkpoint into an mHC checkpoint", _setup_convert,
+        "Stream a residual causal-LM checkpoint (a folder or a Hub model id) into a new mHC checkpoint folder: "
+        "backbone tensors copied unchanged, function-preserving HC tensors added, then verified against the "
+        "source. OUT is written only once complete; on any error SRC and OUT are left as they were.",
+    ),
     "inspect": Subcommand("stability diagnostics of an mHC checkpoint", _setup_inspect),
-    "plan": Subcommand("plan KV cache, parameter, activation and mHC stream memory from a config", _setup_plan),
+    "plan": Subcommand(
+        "plan KV cache, parameter, activation and mHC stream memory from a config", _setup_plan,
+        "Plan the memory of a model from its config alone (a folder or Hugging Face Hub model id; no weights are "
+        "read): KV cache, parameters per device, mHC stream traffic, activations held for backward (residual, mHC, "
+        "hc_recompute, gradient checkpointing), pipeline-boundary bytes.",
+    ),
 }
 
 
