@@ -469,8 +469,8 @@ def test_fp8_routed_experts_in_the_published_layout_convert_byte_exact(tmp_path)
 
 def test_verification_decodes_both_models_with_the_same_settings(fp8_source, tmp_path):
     """A source without generation_config.json (as the config-only copies of DeepSeek-V3 often are) derives its
-    eos_token_id from config.json; ``min_new_tokens`` then masked that token for the source but not for the mHC
-    model, and greedy decoding "differed" where the logits agreed to 1e-6 of their scale."""
+    eos_token_id from config.json: both models decode with the same settings (``min_new_tokens`` masking that token
+    for one model only would make greedy decoding differ where the logits agree to 1e-6 of their scale)."""
     src, _, _ = fp8_source
     bare = tmp_path / "src"
     bare.mkdir()

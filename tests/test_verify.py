@@ -98,14 +98,15 @@ def test_verification_is_relative_to_the_logit_scale_in_every_dtype(tmp_path, dt
     assert (verification.rounded_tensors > 0) == (dtype != "float32")  # the source is stored in float32
     assert verification.logit_scale > 200
     assert verification.tolerance == pytest.approx(1e-4 * verification.logit_scale)
-    # The case an absolute 1e-4 failed: rounding is well above it, yet a few 1e-6 of the logit scale.
+    # Rounding well above an absolute 1e-4, yet a few 1e-6 of the logit scale: a relative tolerance passes it.
     assert 1e-4 < verification.max_abs_logit_diff < 1e-5 * verification.logit_scale
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_a_wrong_hc_tensor_fails_verification_in_every_dtype(tmp_path, monkeypatch, dtype):
     """Layer 3's MLP post biases off by 0.01 move the logits by ~6e-4 of their scale and leave greedy decoding as it
-    is; in half precision the threshold used to be 0.1 (bfloat16) or 0.02 (float16) of the scale, so it passed."""
+    is: the threshold is the same small fraction of the scale in every written dtype, so half precision fails it
+    too."""
     save_large_logit_llama(tmp_path / "src")
     put_post_bias_off(monkeypatch, layer=3)
     with pytest.raises(VerificationError, match=f"does not reproduce the source: {dtype} weights .*conversion bug"):
@@ -116,8 +117,8 @@ def test_a_wrong_hc_tensor_fails_verification_in_every_dtype(tmp_path, monkeypat
 def test_a_bfloat16_conversion_of_an_moe_model_verifies(tmp_path, capsys):
     """Computed in bfloat16, the mHC model's streams round differently from the source's residual stream, which flips
     expert choices of this model: on the verification prompts its logits differ from the source's by a sizeable
-    fraction of their scale, and the correct conversion failed. Both computed in float32 from the same rounded
-    weights agree to float32 rounding."""
+    fraction of their scale, so a verification in bfloat16 would fail a correct conversion. Both computed in float32
+    from the same rounded weights agree to float32 rounding."""
     save_noisy_deepseek_v3(tmp_path / "src")
     source = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.bfloat16).eval()
     mhc = hf_mhc.upcycle(source, hc_mult=4).eval()
