@@ -26,7 +26,7 @@ from benchlib import add_json_argument, progress, report
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
 
 from hf_mhc.kernels import mhc_coeffs, mhc_coeffs_pre, mhc_post_res, mhc_pre
-from hf_mhc.kernels.profiling import saved_bytes_for_backward
+from hf_mhc.profiling import saved_bytes_for_backward
 
 DSV4_PATH, OURS_PATH, LIGER_PATH = "transformers DeepseekV4HyperConnection + merge", "hf_mhc.kernels", "Liger-Kernel"
 

@@ -50,7 +50,7 @@ from transformers import (
 from transformers.utils import is_hqq_available, is_optimum_quanto_available
 
 import hf_mhc
-from hf_mhc.kernels.profiling import cache_bytes
+from hf_mhc.profiling import cache_bytes
 
 STORIES260K = Path(__file__).resolve().parents[2] / "shared" / "assets" / "stories260K"
 PROMPTS = [

@@ -19,8 +19,8 @@ from benchlib import add_json_argument, progress, report
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_mhc
-from hf_mhc.kernels.profiling import saved_bytes_for_backward
 from hf_mhc.planning import plan_memory
+from hf_mhc.profiling import saved_bytes_for_backward
 
 # The bench's cases that hf-mhc plan also counts, by the plan's name.
 PLANNED = {"residual Llama": "residual", "mHC n={n}": "mhc", "mHC n={n}, hc_recompute": "mhc + hc_recompute",

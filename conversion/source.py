@@ -24,6 +24,24 @@ SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
 PICKLE_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 
+# The source's files copied beside the converted weights: tokenizer, chat template, generation defaults, license terms.
+COPIED_FILE_PATTERNS: tuple[str, ...] = (
+    "LICENSE*",
+    "NOTICE*",
+    "USE_POLICY*",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+    "chat_template.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+COPIED_FOLDERS: tuple[str, ...] = ("additional_chat_templates",)
 # Bytes read through one memory map of a safetensors file before it is re-opened (see TensorReader).
 REMAP_BYTES = 64 * 2**20
 # What a Hub download fetches before the weights: configs, indexes, tokenizer, chat-template and license files.

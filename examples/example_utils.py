@@ -1,5 +1,5 @@
 """What the example scripts share: the default assets, the options they have in common, their text data, model
-loading and checkpoint folders.
+loading, checkpoint folders and clearing an earlier output.
 
 The scripts import it as a sibling module: ``python examples/X.py``, ``torchrun`` and ``accelerate launch`` put
 ``examples/`` first on ``sys.path``, and each script adds it too for when it is imported by path (as the tests do).
@@ -15,7 +15,7 @@ import shutil
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
@@ -24,15 +24,14 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM
 
-import hf_mhc
-from hf_mhc.cli import first_line
+from hf_mhc.cli import DEFAULT_HC_MULT, first_line
+from hf_mhc.cli import SHARED_OPTIONS as CLI_OPTIONS
 from hf_mhc.configuration_mhc import load_pretrained_config
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 STORIES260K = ASSETS / "stories260K"
 JANEAUSTEN = ASSETS / "janeausten"
 
-DEFAULT_HC_MULT = hf_mhc.MHCConfig.hc_mult  # streams of an upcycled model when --hc-mult is not given
 MAX_SEED = 2**32 - 1  # numpy's seeding (transformers.set_seed) takes no more
 
 
@@ -54,7 +53,7 @@ def seed(value: str) -> int:
 # own only where the option means the same but its scale differs (--steps, --block-size); help may name it as {default}.
 SHARED_OPTIONS: dict[str, dict] = {
     "--seed": dict(type=seed, default=0, help="seed of the random number generators and the data order (default 0)"),
-    "--hc-mult": dict(type=int, default=None, metavar="N",
+    "--hc-mult": dict(**CLI_OPTIONS["--hc-mult"], default=None,
                       help=f"residual streams n of the upcycled model (default {DEFAULT_HC_MULT})"),
     "--steps": dict(type=int, help="optimizer steps (default {default})"),
     "--block-size": dict(type=int, help="tokens per training sequence (default {default})"),
@@ -76,7 +75,7 @@ def add_shared_option(group: argparse._ActionsContainer, flag: str, **script_def
 
 
 def hc_mult_or_default(hc_mult: int | None) -> int:
-    """The streams of an upcycled model: --hc-mult, else :data:`DEFAULT_HC_MULT`."""
+    """The streams of an upcycled model: --hc-mult, else :data:`hf_mhc.cli.DEFAULT_HC_MULT`."""
     return DEFAULT_HC_MULT if hc_mult is None else hc_mult
 
 
@@ -297,3 +296,40 @@ def atomic_folder(folder: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
+
+
+def clear_earlier_output(folder: Path, is_output_file: Callable[[Path], bool],
+                         cleared_subfolder: Callable[[Path], bool]) -> tuple[list[str], list[str]]:
+    """Delete what an earlier run wrote to ``folder``: the files ``is_output_file`` accepts, there and in the
+    subfolders ``cleared_subfolder`` accepts (given their path relative to ``folder``: ``merged``,
+    ``checkpoint-50``, ``additional_chat_templates/more``); a subfolder emptied so goes too. Every other file and
+    subfolder stays. Returns the deleted and the kept names, relative to ``folder`` (a deleted subfolder as
+    ``name/``)."""
+    removed: list[str] = []
+    kept: list[str] = []
+
+    def clear(directory: Path, relative: Path) -> bool:
+        everything = True
+        for entry in sorted(directory.iterdir()):
+            name = str(relative / entry.name)
+            if entry.is_dir() and not entry.is_symlink():
+                if not cleared_subfolder(relative / entry.name):
+                    kept.append(name + "/")
+                    everything = False
+                    continue
+                before = len(removed)
+                if clear(entry, relative / entry.name):
+                    entry.rmdir()
+                    removed[before:] = [name + "/"]
+                else:
+                    everything = False
+            elif is_output_file(entry):
+                entry.unlink()
+                removed.append(name)
+            else:
+                kept.append(name)
+                everything = False
+        return everything
+
+    clear(folder, Path())
+    return removed, kept

@@ -67,6 +67,7 @@ from example_utils import (  # noqa: E402
     checkpoint_folders,
     checkpoint_step,
     checkpoint_to_resume,
+    clear_earlier_output,
     damaged_file,
     dataset_token_blocks,
     has_text,
@@ -275,42 +276,22 @@ def looks_like_earlier_output(folder: Path) -> bool:
                    for entry in folder.iterdir()))
 
 
-def clear_earlier_output(folder: Path, *, checkpoints: bool, subfolders: tuple[str, ...] = OUTPUT_SUBFOLDERS
-                         ) -> tuple[list[str], list[str]]:
+def clear_earlier_run(folder: Path, *, checkpoints: bool, subfolders: tuple[str, ...] = OUTPUT_SUBFOLDERS
+                      ) -> tuple[list[str], list[str]]:
     """Delete the files an earlier run wrote to ``folder`` (:data:`OUTPUT_FILE_PATTERNS`, the mHC remote-code files
-    and PEFT's model card, there
-    and in ``subfolders`` and, with ``checkpoints``, in ``checkpoint-*``; a subfolder emptied so goes too). Every other
-    file stays. Returns the deleted and the kept names (relative to ``folder``; a deleted subfolder as ``name/``)."""
-    removed: list[str] = []
-    kept: list[str] = []
+    and PEFT's model card), there and in ``subfolders`` and, with ``checkpoints``, in ``checkpoint-*``
+    (:func:`example_utils.clear_earlier_output`). Every other file stays. Returns the deleted and the kept names."""
     code_files = mhc_code_files()
 
-    def clear(directory: Path, prefix: str) -> bool:
-        everything = True
-        for entry in sorted(directory.iterdir()):
-            name = prefix + entry.name
-            if entry.is_dir() and not entry.is_symlink():
-                if prefix or not (entry.name in subfolders or (checkpoints and checkpoint_step(entry) is not None)):
-                    kept.append(name + "/")
-                    everything = False
-                    continue
-                before = len(removed)
-                if clear(entry, name + "/"):
-                    entry.rmdir()
-                    removed[before:] = [name + "/"]
-                else:
-                    everything = False
-            elif any(entry.match(pattern) for pattern in OUTPUT_FILE_PATTERNS) or entry.name in code_files or (
-                entry.name == "README.md" and is_peft_model_card(entry)):
-                entry.unlink()
-                removed.append(name)
-            else:
-                kept.append(name)
-                everything = False
-        return everything
+    def is_output_file(entry: Path) -> bool:
+        return (any(entry.match(pattern) for pattern in OUTPUT_FILE_PATTERNS) or entry.name in code_files
+                or (entry.name == "README.md" and is_peft_model_card(entry)))
 
-    clear(folder, "")
-    return removed, kept
+    def cleared_subfolder(relative: Path) -> bool:
+        return len(relative.parts) == 1 and (relative.name in subfolders or (
+            checkpoints and checkpoint_step(folder / relative) is not None))
+
+    return clear_earlier_output(folder, is_output_file, cleared_subfolder)
 
 
 def resume_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace, out: Path
@@ -553,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
 
     main_process = training_args.process_index == 0
     if args.overwrite and main_process and out.is_dir():
-        removed, kept = clear_earlier_output(out, checkpoints=True)
+        removed, kept = clear_earlier_run(out, checkpoints=True)
         print(f"--overwrite: deleted the earlier run's {', '.join(removed) or 'nothing'} from {out}"
               f"{f'; kept {len(kept)} other file(s): ' + ', '.join(kept[:8]) if kept else ''}")
     if args.lora:
@@ -601,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     eval_after = trainer.evaluate()["eval_loss"] if eval_set is not None else None
 
     if checkpoint is not None and main_process:  # a finished earlier attempt's result must not mix into this one
-        clear_earlier_output(out, checkpoints=False, subfolders=("merged",))
+        clear_earlier_run(out, checkpoints=False, subfolders=("merged",))
     # A LoRA model saves through PeftModel.save_pretrained (PEFT's own format: any PEFT version works), never through
     # transformers' built-in adapter API, which needs PEFT >= 0.22.
     trainer.save_model(str(out))

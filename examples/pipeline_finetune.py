@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if rank == 0:
         if args.overwrite and out.is_dir():
-            removed, _ = finetune.clear_earlier_output(out, checkpoints=True)
+            removed, _ = finetune.clear_earlier_run(out, checkpoints=True)
             print(f"--overwrite: deleted the earlier run's {', '.join(removed) or 'nothing'} from {out}")
         how = (f"{args.num_stages} stages on {world_size} ranks, {args.schedule}" if pipelined
                else "one process, no pipeline")

@@ -16,7 +16,6 @@ Bad input (a missing --model folder, a model that cannot be upcycled, a non-empt
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -41,6 +40,7 @@ from example_utils import (  # noqa: E402
     JANEAUSTEN,
     STORIES260K,
     add_shared_option,
+    clear_earlier_output,
     hc_mult_or_default,
     load_causal_lm,
     load_config,
@@ -52,7 +52,8 @@ from example_utils import (  # noqa: E402
 
 import hf_mhc  # noqa: E402
 from hf_mhc.cli import first_line, folder_error, output_path_error  # noqa: E402
-from hf_mhc.conversion.convert import COPIED_FOLDERS, foreign_entries  # noqa: E402
+from hf_mhc.conversion.output_safety import foreign_entries  # noqa: E402
+from hf_mhc.conversion.source import COPIED_FOLDERS  # noqa: E402
 from hf_mhc.conversion.verify import logit_tolerance  # noqa: E402
 
 
@@ -147,14 +148,11 @@ def check_output_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     return out
 
 
-def clear_earlier_output(out: Path) -> None:
-    """Delete the checkpoint files of an earlier output checked by :func:`check_output_dir` (trainer/ is this run's
-    Trainer folder by now)."""
-    for entry in out.iterdir():
-        if entry.is_dir() and entry.name in COPIED_FOLDERS:
-            shutil.rmtree(entry)
-        elif entry.is_file():
-            entry.unlink()
+def clear_earlier_run(out: Path) -> None:
+    """Delete the earlier output that :func:`check_output_dir` let through: every file and the copied folders
+    (trainer/ is this run's Trainer folder by now)."""
+    clear_earlier_output(out, is_output_file=Path.is_file,
+                         cleared_subfolder=lambda relative: relative.parts[0] in COPIED_FOLDERS)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -231,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"5. Save to {args.output_dir} and reload with AutoModelForCausalLM")
     if out.is_dir():
-        clear_earlier_output(out)  # checked before any work: only what an earlier run wrote
+        clear_earlier_run(out)  # checked before any work: only what an earlier run wrote
     model.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
     reloaded = AutoModelForCausalLM.from_pretrained(args.output_dir).eval()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
+from .configuration_mhc import MHCConfig
 from .conversion import ConversionError, ConversionReport, convert_checkpoint
 from .conversion.convert import DEFAULT_MAX_SHARD_SIZE, DTYPES
 from .conversion.source import looks_like_local_path
@@ -35,6 +36,14 @@ from .mhc_reference import RESIDUAL_MAPS
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
+DEFAULT_HC_MULT = MHCConfig.hc_mult  # the streams of a converted or upcycled model when --hc-mult is not given
+# The options several commands take (hf-mhc's subcommands and the examples), defined once; each command adds its own
+# default and help with add_shared_option.
+SHARED_OPTIONS: dict[str, dict] = {
+    "--hc-mult": dict(type=int, metavar="N"),
+    "--residual-map": dict(choices=list(RESIDUAL_MAPS)),
+    "--dtype": dict(choices=list(DTYPES)),
+}
 # What bad input or a bad environment raises in a subcommand (a missing file, a config transformers rejects: see
 # load_pretrained_config, a missing package): reported in one line, without a traceback.
 BAD_INPUT_ERRORS: tuple[type[Exception], ...] = (OSError, ValueError, ImportError)
@@ -42,10 +51,12 @@ BAD_INPUT_ERRORS: tuple[type[Exception], ...] = (OSError, ValueError, ImportErro
 
 @dataclass(frozen=True)
 class Subcommand:
-    """One ``hf-mhc`` subcommand: its help line, and ``setup(parser)`` adding its arguments and ``run`` handler."""
+    """One ``hf-mhc`` subcommand: its help line, ``setup(parser)`` adding its arguments and ``run`` handler, and the
+    description its ``--help`` shows (``None``: the help line, or what ``setup`` sets)."""
 
     help: str
     setup: Callable[[argparse.ArgumentParser], None]
+    description: str | None = None
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -56,7 +67,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hf-mhc {__version__}")
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, subcommand in SUBCOMMANDS.items():
-        subparser = subcommands.add_parser(name, help=subcommand.help, description=subcommand.help)
+        subparser = subcommands.add_parser(name, help=subcommand.help,
+                                           description=subcommand.description or subcommand.help)
         if command is None or command == name:
             subcommand.setup(subparser)
     return parser
@@ -73,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hf-mhc {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BAD_INPUT_ERRORS as error:
-        return _fail(args.command, first_line(error))
+        return print_error(args.command, first_line(error))
 
 
 def first_line(error: BaseException) -> str:
@@ -123,23 +135,25 @@ def output_path_error(name: str, *, folder: bool) -> str | None:
     return None
 
 
+def add_shared_option(parser: argparse._ActionsContainer, flag: str, **command_options) -> None:
+    """Add ``flag`` as :data:`SHARED_OPTIONS` defines it to ``parser`` (a parser or an argument group), with this
+    command's ``default`` and ``help``; ``ValueError`` for anything else, which would redefine the option."""
+    if set(command_options) - {"default", "help"}:
+        raise ValueError(f"{flag} has one definition: only its default and help may be given, not {command_options}")
+    parser.add_argument(flag, **SHARED_OPTIONS[flag], **command_options)
+
+
 def _setup_convert(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Stream a residual causal-LM checkpoint (a folder or a Hub model id) into a new mHC checkpoint folder: "
-        "backbone tensors copied unchanged, function-preserving HC tensors added, then verified against the "
-        "source. OUT is written only once complete; on any error SRC and OUT are left as they were."
-    )
     parser.add_argument("src", metavar="SRC", help="checkpoint folder or Hugging Face Hub model id")
     parser.add_argument("out", metavar="OUT", help="folder to create (must not exist or be empty)")
-    parser.add_argument("--hc-mult", type=int, default=4, metavar="N", help="number of residual streams (default 4)")
-    parser.add_argument(
-        "--residual-map", choices=list(RESIDUAL_MAPS), default="sinkhorn",
+    add_shared_option(parser, "--hc-mult", default=DEFAULT_HC_MULT,
+                      help=f"number of residual streams (default {DEFAULT_HC_MULT})")
+    add_shared_option(
+        parser, "--residual-map", default="sinkhorn",
         help="how the streams are mixed: sinkhorn (mHC, default), unconstrained (Hyper-Connections), identity "
              "(unmixed, HY-V4), permutations (mHC-lite, hc-mult <= 4)",
     )
-    parser.add_argument(
-        "--dtype", choices=list(DTYPES), help="cast the backbone weights (HC weights stay float32); default: keep"
-    )
+    add_shared_option(parser, "--dtype", help="cast the backbone weights (HC weights stay float32); default: keep")
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -163,27 +177,22 @@ def _setup_convert(parser: argparse.ArgumentParser) -> None:
 
 
 def _setup_inspect(parser: argparse.ArgumentParser) -> None:
-    from .diagnostics import INSPECT_DESCRIPTION, add_inspect_arguments, run_inspect  # imports Trainer: only here
+    from .diagnostics_cli import INSPECT_DESCRIPTION, add_inspect_arguments, run_inspect  # loads models: only here
 
     parser.description = INSPECT_DESCRIPTION
     add_inspect_arguments(parser).set_defaults(run=run_inspect)
 
 
 def _setup_plan(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Plan the memory of a model from its config alone (a folder or Hugging Face Hub model id; no weights are "
-        "read): KV cache, parameters per device, mHC stream traffic, activations held for backward (residual, mHC, "
-        "hc_recompute, gradient checkpointing), pipeline-boundary bytes."
-    )
     parser.add_argument("config", metavar="CONFIG", help="folder holding config.json, or Hugging Face Hub model id")
     parser.add_argument("--tokens", type=int, default=8192, metavar="N", help="tokens per sequence (default 8192)")
     parser.add_argument("--batch", type=int, default=1, metavar="B", help="sequences (default 1)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
-                        help="backbone weights, KV cache and streams (default bfloat16; HC weights stay float32)")
-    parser.add_argument("--hc-mult", type=int, metavar="N",
-                        help="plan the mHC model with N streams (default: the config's own; a residual config as is)")
-    parser.add_argument("--residual-map", choices=list(RESIDUAL_MAPS),
-                        help="hc_residual_map of the planned mHC model (default: the config's own, else sinkhorn)")
+    add_shared_option(parser, "--dtype", default="bfloat16",
+                      help="backbone weights, KV cache and streams (default bfloat16; HC weights stay float32)")
+    add_shared_option(parser, "--hc-mult",
+                      help="plan the mHC model with N streams (default: the config's own; a residual config as is)")
+    add_shared_option(parser, "--residual-map",
+                      help="hc_residual_map of the planned mHC model (default: the config's own, else sinkhorn)")
     parser.add_argument("--tp", type=int, default=1, metavar="K", help="tensor-parallel degree (default 1)")
     parser.add_argument("--pp", type=int, default=1, metavar="K", help="pipeline stages (default 1)")
     parser.add_argument("--fsdp", type=int, default=1, metavar="K", help="FSDP shards per stage (default 1)")
@@ -193,9 +202,19 @@ def _setup_plan(parser: argparse.ArgumentParser) -> None:
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
-    "convert": Subcommand("convert a residual causal-LM checkpoint into an mHC checkpoint", _setup_convert),
+    "convert": Subcommand(
+        "convert a residual causal-LM checkpoint into an mHC checkpoint", _setup_convert,
+        "Stream a residual causal-LM checkpoint (a folder or a Hub model id) into a new mHC checkpoint folder: "
+        "backbone tensors copied unchanged, function-preserving HC tensors added, then verified against the "
+        "source. OUT is written only once complete; on any error SRC and OUT are left as they were.",
+    ),
     "inspect": Subcommand("stability diagnostics of an mHC checkpoint", _setup_inspect),
-    "plan": Subcommand("plan KV cache, parameter, activation and mHC stream memory from a config", _setup_plan),
+    "plan": Subcommand(
+        "plan KV cache, parameter, activation and mHC stream memory from a config", _setup_plan,
+        "Plan the memory of a model from its config alone (a folder or Hugging Face Hub model id; no weights are "
+        "read): KV cache, parameters per device, mHC stream traffic, activations held for backward (residual, mHC, "
+        "hc_recompute, gradient checkpointing), pipeline-boundary bytes.",
+    ),
 }
 
 
@@ -207,7 +226,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     if error is None and local and not (Path(args.config).expanduser() / "config.json").is_file():
         error = f"no config.json in {args.config}"
     if error:
-        return _fail("plan", error)
+        return print_error("plan", error)
     plan = plan_memory(args.config, tokens=args.tokens, batch=args.batch, dtype=args.dtype, hc_mult=args.hc_mult,
                        residual_map=args.residual_map, tp=args.tp, pp=args.pp, fsdp=args.fsdp,
                        microbatches=args.microbatches)
@@ -234,7 +253,7 @@ def _run_convert(args: argparse.Namespace) -> int:
                 allow_pickle=args.allow_pickle,
             )
     except (ConversionError, OSError) as error:
-        return _fail("convert", str(error))
+        return print_error("convert", str(error))
     except KeyboardInterrupt:
         print("hf-mhc convert: interrupted; OUT was not written (an existing OUT is unchanged).", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -268,7 +287,9 @@ def _print_report(report: ConversionReport) -> None:
         print(f"Verification: {report.verification.summary()}")
 
 
-def _fail(command: str, message: str) -> int:
+def print_error(command: str, message: str) -> int:
+    """Print ``message`` as one ``hf-mhc COMMAND: error: ...`` line on stderr (its whitespace runs made single spaces);
+    return the error status, 1."""
     print(f"hf-mhc {command}: error: {' '.join(message.split())}", file=sys.stderr)
     return EXIT_ERROR
 
@@ -292,12 +313,16 @@ def _sigterm_raises_keyboard_interrupt() -> Iterator[None]:
 
 __all__ = [
     "BAD_INPUT_ERRORS",
+    "DEFAULT_HC_MULT",
+    "SHARED_OPTIONS",
     "SUBCOMMANDS",
     "Subcommand",
+    "add_shared_option",
     "build_parser",
     "first_line",
     "folder_error",
     "looks_like_local_path",
     "main",
     "output_path_error",
+    "print_error",
 ]

@@ -1,76 +1,34 @@
-"""Memory planning from a config alone: KV cache, parameters per device, mHC stream traffic, pipeline boundaries.
+"""Memory planning from a config alone (never weights): KV cache, parameters per device, mHC stream traffic,
+activations held for backward, pipeline-boundary bytes.
 
-:func:`plan_memory` reads a config (a residual backbone config, an :class:`MHCConfig`, or a folder / Hub id whose
-``config.json`` is read; never weights) and returns a :class:`MemoryPlan` for a workload of ``batch`` sequences of
-``tokens`` tokens in ``dtype``:
-
-* **KV cache**, as transformers' ``DynamicCache`` stores it. Per token and layer, a standard attention layer holds a
-  key and a value of ``num_key_value_heads × head_dim`` each (MHA, GQA and MQA alike); DeepSeek-V3's latent attention
-  (MLA) holds the normalised latent ``[B, 1, T, kv_lora_rank]`` as its "key" and the rotary key
-  ``[B, 1, T, qk_rope_head_dim]`` as its "value", i.e. ``kv_lora_rank + qk_rope_head_dim`` values. A sliding-window
-  (or chunked) layer keeps the last ``sliding_window - 1`` tokens, plus an 8-byte int64 holding the window (those
-  tokens are a view: its storage spans the whole prompt right after a prefill, ``sliding_window`` tokens while
-  decoding). The layer types are transformers' own (``layer_types``, else ``sliding_window``). mHC leaves the cache
-  unchanged: attention reads the collapsed ``[B, T, C]`` sublayer input, not the ``n`` streams.
-* **Parameters**: the model built on the ``meta`` device (no memory, no weights), the backbone in ``dtype`` and the HC
-  maps in float32, then split per device as transformers' ``DistributedConfig`` splits it, on the device holding the
-  most: tensor parallelism (``tp``) follows the model's own TP plan (``model.tp_plan``), each style placing a
-  parameter as transformers' does (:data:`TP_STYLE_PLACEMENTS`: colwise by output rows, rowwise by input columns with
-  the bias whole, the embeddings and LM head by vocabulary rows, packed gate / up halves each apart; ``torch.chunk``'s
-  slices, ``ceil(d / tp)`` on the first ranks); what the plan leaves whole (norms, router, ...) and the HC maps are
-  on every rank. Pipeline parallelism (``pp``) gives each stage an even share of the layers (the first ``L mod pp``
-  stages one more), the embeddings to the first stage and the final norm, mHC head and LM head to the last (tied
-  embeddings on both); FSDP (``fsdp``) is FSDP2's split of each TP shard along dimension 0, ``ceil(rows / fsdp)`` rows
-  on every rank (padded to the first rank's).
-* **mHC traffic**, in HBM bytes per token per layer (two sites: attention and feed-forward), from the element counts
-  of the mHC paper's Table 2 with streams in ``dtype``: unfused (transformers' DeepSeek-V4 path) a site reads
-  ``(5n+1)·C`` and writes ``(3n+1)·C``; with hf-mhc's fused kernels it reads ``n·C`` and writes ``C`` for the
-  coefficients + ``pre`` collapse, and reads ``(n+1)·C`` and writes ``n·C`` for ``post`` + ``comb`` + residual. The
-  small ``n² + 2n`` coefficient terms are left out. Compared with the layer's weight bytes read per token: at decode
-  one read shared by the ``batch`` tokens of a step (of a MoE layer's ``E`` routed experts at most ``top_k · batch``),
-  at prefill ``1 / (batch · tokens)`` of the whole layer.
-* **Activations**: the bytes autograd holds for backward after the training forward of the workload (one forward of
-  ``batch`` unpadded, unpacked sequences of ``tokens`` tokens with labels; parameters excluded), for the residual
-  model and its mHC upcycle, plain, with ``hc_recompute`` and with gradient checkpointing, by running the model's own
-  transformers forward on fake tensors (``FakeTensorMode``: shapes and dtypes, no memory, no weights) and counting
-  what its ops save (``saved_tensors_hooks``) and what its checkpoints keep (their inputs and a 5,056-byte copy of
-  the CPU random state each): exactly what the same forward holds on real CPU tensors (tested for every family, and
-  the count against torch's profiler). Per token per layer: the storages first held inside the decoder layers, over
-  ``batch · tokens · layers``; the rest (embeddings, final norm, logits, loss) is reported apart. Kernels counted:
-  the config's attention implementation (default SDPA) with torch's kernels, as on CPU (SDPA's fused kernel: ``q,
-  k, v``, output, log-sum-exp; ``eager``: the ``T × T`` probabilities), except that an SDPA attention whose
-  ``q``/``k`` and ``v`` head dims differ (MLA) is counted as CUDA's memory-efficient kernel, which keeps the same
-  set, where the CPU would keep the ``T × T`` probabilities; float32 / float16 MoE experts as transformers'
-  grouped-mm fallback (torch's grouped-mm kernel takes bfloat16). Gradient checkpointing holds each layer's inputs;
-  its backward recomputes one layer at a time, adding up to the largest layer's bytes of the case without it.
-* **Pipeline boundary**: the ``n·C`` streams (``C`` for a residual model) of every token of a microbatch, in
-  ``dtype``, cross each stage boundary forward (and their gradient backward).
+:func:`plan_memory` returns a :class:`MemoryPlan` (every size in bytes) of ``batch`` sequences of ``tokens`` tokens in
+``dtype`` on a ``tp`` x ``pp`` x ``fsdp`` layout, and :func:`format_plan` prints it (``hf-mhc plan``). Each figure is
+that of transformers' own objects: the KV cache is what ``DynamicCache`` stores for the config's layer types (mHC
+leaves it unchanged: attention reads the collapsed stream); parameters are placed as transformers' TP plan
+(:data:`TP_STYLE_PLACEMENTS`), the pipeline split (:func:`hf_mhc.distributed.pipeline_layer_split`) and FSDP2 place
+them, on the device holding the most; the mHC traffic is the HBM bytes per token and layer of the mHC paper's
+Table 2, unfused and fused, against the layer's weight reads; the activations are counted on fake tensors by
+:mod:`hf_mhc.activation_count`; the ``n·C`` streams of a microbatch cross each pipeline stage boundary.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 import os
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from transformers import AutoModelForCausalLM, PreTrainedConfig, masking_utils
+from transformers import AutoModelForCausalLM, PreTrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, _get_parameter_plan
 from transformers.distributed.tensor_parallel import TensorParallelLayer, get_kv_heads_per_rank
-from transformers.initialization import no_init_weights
-from transformers.integrations import moe
 
+from .activation_count import ACTIVATION_CASES, activations_held
 from .configuration_mhc import MHCConfig, check_attention_heads, check_backbone_type, load_pretrained_config
 from .conversion.convert import DTYPES  # the model dtypes hf-mhc's commands take
-from .conversion.upcycle import mhc_config_for
-from .kernels.profiling import held_for_backward
-from .modeling_mhc import HC_MODULE_NAMES
+from .conversion.upcycle import is_hc_parameter, mhc_config_for
+from .distributed import pipeline_layer_split
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 WINDOW_TENSOR_BYTES = 8  # the int64 scalar a DynamicSlidingWindowLayer holds (its `_sliding_window_tensor`)
@@ -89,17 +47,7 @@ TP_STYLE_PLACEMENTS: dict[str, Callable[[str, int], tuple[int, bool] | None]] = 
     "packed_rowwise": lambda leaf, ndim: None if ndim == 1 else (ndim - 1, True),
 }
 INT64_MAX = 2**63 - 1  # the largest size (and byte count) a torch tensor can have
-# Held while _forward_as_in_training's substitutions are in place: plans in two threads take turns, so each
-# restores the originals it found.
-_SUBSTITUTING = threading.RLock()
-# The training setups whose activations a plan counts: (name, mHC model?, hc_recompute, gradient checkpointing).
-ACTIVATION_CASES = (
-    ("residual", False, False, False),
-    ("residual + gradient checkpointing", False, False, True),
-    ("mhc", True, False, False),
-    ("mhc + hc_recompute", True, True, False),
-    ("mhc + gradient checkpointing", True, False, True),
-)
+
 
 
 @dataclass
@@ -184,10 +132,6 @@ def _meta_model(config: PreTrainedConfig) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
-def _is_hc(name: str) -> bool:
-    return any(part in HC_MODULE_NAMES for part in name.split(".")[:-1])
-
-
 def _tp_placement(style: str | None, name: str, ndim: int) -> tuple[int, bool] | None:
     """``(dimension split, packed halves?)`` of parameter ``name`` under TP ``style`` (None: kept whole)."""
     if style is None:
@@ -256,91 +200,6 @@ def _layer_index(name: str) -> int | None:
     return None
 
 
-@contextlib.contextmanager
-def _forward_as_in_training() -> Iterator[None]:
-    """Runs a transformers forward on fake tensors the way it runs on real ones in training, for the planned workload.
-
-    Three substitutions, for fake tensors only (a real-tensor call, say from another thread, runs the original),
-    undone on exit, one thread at a time: the batch is declared unpacked (transformers would read the fake position
-    ids to find packed sequences, and under fake tensors keeps a materialised mask instead); MoE experts in float32
-    or float16 take transformers' grouped-mm fallback (torch's grouped-mm checks its inputs are bfloat16 under fake
-    tensors); an SDPA call without a mask whose ``q``/``k`` and ``v`` head dims differ runs CUDA's memory-efficient
-    kernel op (shapes only), as on a GPU.
-    """
-
-    def unpacked(position_ids):
-        return None if isinstance(position_ids, FakeTensor) else find_packed(position_ids)
-
-    def grouped_mm_takes(input, weight, offs) -> bool:
-        fake_not_bf16 = isinstance(weight, FakeTensor) and weight.dtype != torch.bfloat16
-        return not fake_not_bf16 and can_use_grouped_mm(input, weight, offs)
-
-    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if (not isinstance(query, FakeTensor) or attn_mask is not None or query.shape[-1] == value.shape[-1]
-                or enable_gqa or dropout_p):
-            return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, enable_gqa=enable_gqa)
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, None, True, is_causal=is_causal, scale=scale)[0]
-
-    with _SUBSTITUTING:  # the originals are read, and back, before another thread takes its own
-        find_packed, can_use_grouped_mm = masking_utils.find_packed_sequence_indices, moe._can_use_grouped_mm
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        masking_utils.find_packed_sequence_indices = unpacked
-        moe._can_use_grouped_mm = grouped_mm_takes
-        torch.nn.functional.scaled_dot_product_attention = attention
-        try:
-            yield
-        finally:
-            masking_utils.find_packed_sequence_indices, moe._can_use_grouped_mm = find_packed, can_use_grouped_mm
-            torch.nn.functional.scaled_dot_product_attention = sdpa
-
-
-def activations_held(config: PreTrainedConfig, dtype: torch.dtype, *, batch: int, tokens: int,
-                     cases: tuple[tuple[bool, bool], ...] = ((False, False),)) -> list[dict[int | None, int]]:
-    """Bytes autograd holds for backward after a training forward (labels, no cache) of ``config``'s causal LM on
-    ``batch × tokens`` tokens, run on fake tensors; one dict per ``(hc_recompute, gradient_checkpointing)`` case, by
-    decoder-layer index (``None``: outside the layers).
-
-    ``config``: a backbone config or an :class:`MHCConfig` (left unchanged: each case sets ``hc_recompute`` on a
-    copy); weights in ``dtype`` (mHC maps float32). Parameters count zero. See the module docstring for what is
-    counted and how.
-    """
-    config = copy.deepcopy(config)  # the model's own, which the cases change
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, _forward_as_in_training():
-        with no_init_weights():  # the values are never read, and some initialisations check them
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype).train()
-        return held_by_case(model, mode.from_tensor(torch.zeros(batch, tokens, dtype=torch.long)), cases)
-
-
-def held_by_case(model: torch.nn.Module, input_ids: torch.Tensor,
-                 cases: tuple[tuple[bool, bool], ...]) -> list[dict[int | None, int]]:
-    """For each ``(hc_recompute, gradient_checkpointing)`` case, the bytes autograd holds for backward after a
-    training forward of causal LM ``model`` (in train mode) on ``input_ids``, by decoder-layer index (``None``:
-    outside the layers): what :func:`activations_held` counts on fake tensors, on any tensors."""
-    is_mhc = isinstance(model.config, MHCConfig)
-    if not is_mhc and any(hc_recompute for hc_recompute, _ in cases):
-        raise ValueError("hc_recompute applies to an mHC model; give an MHCConfig to count it")
-    owner: list[int | None] = [None]
-    hooks = []
-    for index, layer in enumerate(model.model.layers):
-        hooks.append(layer.register_forward_pre_hook(lambda module, args, index=index: owner.__setitem__(0, index)))
-        hooks.append(layer.register_forward_hook(lambda module, args, output: owner.__setitem__(0, None)))
-    results = []
-    for hc_recompute, gradient_checkpointing in cases:
-        if is_mhc:
-            model.config.hc_recompute = hc_recompute
-        if gradient_checkpointing:
-            model.activation_checkpointing_enable()
-        results.append(held_for_backward(lambda: model(input_ids, labels=input_ids, use_cache=False).loss,
-                                         exclude=tuple(model.parameters()), owner=lambda: owner[0]))
-        if gradient_checkpointing:
-            model.activation_checkpointing_disable()
-    for hook in hooks:
-        hook.remove()
-    return results
-
-
 def plan_memory(
     config: PreTrainedConfig | str | os.PathLike,
     *,
@@ -360,9 +219,12 @@ def plan_memory(
     ``hc_mult``, or the residual model itself for a backbone config). ``residual_map``: its ``hc_residual_map``
     (the HC parameter shapes differ: ``identity`` has no ``comb`` rows, ``permutations`` ``n!`` of them); ``None``
     keeps an :class:`MHCConfig`'s own, else ``"sinkhorn"``; it needs an mHC model (``hc_mult`` or an
-    :class:`MHCConfig`). ``tp``, ``pp``, ``fsdp``: the layout, as transformers' ``DistributedConfig`` applies it (see
-    the module docstring). Raises ``ValueError`` on bad input, a layout the model cannot take, and a workload whose
-    tensors exceed torch's sizes.
+    :class:`MHCConfig`). ``tp``, ``pp``, ``fsdp``: the layout, as transformers' ``DistributedConfig`` applies it:
+    ``tp`` ranks slice each parameter as the model's TP plan says (:func:`tp_shard_shapes`), the ``pp`` stages take
+    :func:`~hf_mhc.distributed.pipeline_layer_split`'s layers (the embeddings on the first, the final norm, mHC head
+    and LM head on the last, tied embeddings on both), ``fsdp`` ranks split each TP shard along dimension 0
+    (:func:`fsdp_shard_numel`); ``microbatches``: the equal parts of ``batch`` a pipeline step runs. Raises
+    ``ValueError`` on bad input, a layout the model cannot take, and a workload whose tensors exceed torch's sizes.
     """
     for name, value in (("tokens", tokens), ("batch", batch), ("tp", tp), ("pp", pp), ("fsdp", fsdp),
                         ("microbatches", microbatches)):
@@ -417,17 +279,16 @@ def plan_memory(
     # Parameters
     model = _meta_model(backbone if mhc_config is None else mhc_config)
     tp_shapes = tp_shard_shapes(model, tp)
-    stage_of_layer = []
-    for stage in range(pp):
-        stage_of_layer += [stage] * (layers // pp + (stage < layers % pp))
+    stage_of_layer = [stage for stage, stage_layers in enumerate(pipeline_layer_split(layers, pp))
+                      for _ in stage_layers]
     per_stage = [0] * pp
     longest_rows: list[tuple[int, str]] = [(0, "")] * pp  # the longest dimension 0 of each stage's TP shards
     backbone_bytes = hc_bytes = 0
     shared = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n.endswith("lm_head.weight")}
     for name, parameter in model.named_parameters():
-        bytes_per_value = 4 if _is_hc(name) else element
+        bytes_per_value = 4 if is_hc_parameter(name) else element
         size = parameter.numel() * bytes_per_value
-        if _is_hc(name):
+        if is_hc_parameter(name):
             hc_bytes += size
         else:
             backbone_bytes += size
@@ -452,7 +313,7 @@ def plan_memory(
     for name, parameter in model.named_parameters():
         if _layer_index(name) is None:
             continue
-        size = parameter.numel() * (4 if _is_hc(name) else element)
+        size = parameter.numel() * (4 if is_hc_parameter(name) else element)
         layer_weights += size
         # A decode step of `batch` tokens reads at most top_k * batch of a layer's E routed experts.
         routed = "experts" in name.split(".")[:-1]

@@ -14,8 +14,8 @@ from conftest import VOCAB, tiny_backbone_config
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 from hf_mhc import MHCConfig, MHCForCausalLM
-from hf_mhc.kernels.profiling import cache_bytes
 from hf_mhc.modeling_mhc import attention_layer_types
+from hf_mhc.profiling import cache_bytes
 
 NEW_TOKENS = 6
 

@@ -1,15 +1,22 @@
-"""`hf-mhc convert`: streaming checkpoint conversion that is exact, verified, and safe on bad input."""
+"""``hf_mhc.conversion.convert`` (``hf-mhc convert``): every family converts exactly (sharded or not, tied or not, in
+each dtype) to the folder ``save_pretrained`` writes, the source's auxiliary files are copied, a source that is no
+causal LM of a supported family is refused in one line; and fine-grained FP8 checkpoints, the format DeepSeek-V3 is
+published in, keep their quantized bytes.
+
+An FP8 checkpoint stores each Linear weight ``W [out, in]`` as float8_e4m3fn ``Q`` with a float32
+``weight_scale_inv S [out / b0, in / b1]`` beside it, ``W ≈ Q · S`` block by block, and its config.json has
+``quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size":
+[b0, b1]}``. Without a GPU transformers dequantizes it on load (``W = Q · S`` in the model's dtype). The FP8 tests
+build such a checkpoint from a tiny random DeepSeek-V3 (MLA attention; every layer dense; a separate test has routed
+experts, published one tensor per expert), check that transformers reads it as the dequantized model, then convert it.
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
+import struct
 from pathlib import Path
 
-import huggingface_hub.constants
 import pytest
 import torch
 from conftest import (
@@ -32,10 +39,6 @@ import hf_mhc.conversion.source as source_module
 from hf_mhc import MHCForCausalLM
 from hf_mhc.cli import main
 from hf_mhc.conversion import ConversionError, convert_checkpoint, is_hc_parameter
-from hf_mhc.conversion.safetensors_stream import SafetensorsStreamWriter, TensorSpec, aligned_order, parse_size
-
-HF_MHC_SCRIPT = Path(sys.executable).with_name("hf-mhc")
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -156,46 +159,6 @@ def test_real_pretrained_llama_converted_to_bfloat16_verifies(tmp_path, capsys):
     assert "Verification:** passed: bfloat16" in (tmp_path / "out" / "README.md").read_text()
 
 
-@pytest.mark.skipif(not HF_MHC_SCRIPT.is_file(), reason="the hf-mhc console script is not installed")
-def test_console_script(tmp_path):
-    save_source(tmp_path / "src", "mistral", max_shard_size="20KB")
-    result = subprocess.run(
-        [str(HF_MHC_SCRIPT), "convert", str(tmp_path / "src"), str(tmp_path / "out"), "--hc-mult", "2", "--no-verify"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Converted" in result.stdout and "Verification: skipped" in result.stdout
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.hc_mult == 2
-
-
-def test_hub_id_resolves_from_the_cache_offline(tmp_path, capsys, monkeypatch):
-    cache, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
-    repo = cache / "models--tiny-org--tiny-llama"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    source = save_source(repo / "snapshots" / commit, "llama", tied=True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    assert huggingface_hub.constants.HF_HUB_OFFLINE  # conftest: tests never download
-
-    status, _, err = convert(capsys, "tiny-org/tiny-llama", tmp_path / "out", "--no-verify")
-    assert status == 0, err
-    assert "base_model: tiny-org/tiny-llama" in (tmp_path / "out" / "README.md").read_text()
-    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    ids = torch.randint(0, VOCAB, (1, 12))
-    with torch.no_grad():
-        torch.testing.assert_close(converted(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
-
-    status, _, err = convert(capsys, "tiny-org/not-in-the-cache", tmp_path / "out2")
-    assert_one_line_error(status, err, "'tiny-org/not-in-the-cache'", "Hugging Face Hub")
-    assert not (tmp_path / "out2").exists()
-
-
-def test_missing_src(tmp_path, capsys):
-    status, _, err = convert(capsys, tmp_path / "absent", tmp_path / "out")
-    assert_one_line_error(status, err, f"no such folder: {tmp_path / 'absent'}")
-    assert not (tmp_path / "out").exists()
-
-
 def test_src_that_is_not_a_causal_lm_checkpoint(tmp_path, capsys):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "notes.txt").write_text("not a checkpoint")
@@ -230,141 +193,6 @@ def test_a_misspelt_mhc_option_of_the_python_api_names_the_function_and_writes_n
     assert sorted(path.name for path in tmp_path.iterdir()) == ["src"]
 
 
-def test_existing_out_is_kept_without_overwrite_and_replaced_with_it(tmp_path, capsys):
-    save_source(tmp_path / "src", "qwen2")
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "precious.txt").write_text("keep me")
-    status, _, err = convert(capsys, tmp_path / "src", out, "--no-verify")
-    assert_one_line_error(status, err, "not empty", "--overwrite")
-    assert [p.name for p in out.iterdir()] == ["precious.txt"] and (out / "precious.txt").read_text() == "keep me"
-
-    status, _, err = convert(capsys, tmp_path / "src", out, "--no-verify", "--overwrite")
-    assert_one_line_error(status, err, "does not look like a checkpoint")  # --overwrite replaces only a checkpoint
-    assert [p.name for p in out.iterdir()] == ["precious.txt"]
-
-    save_source(out, "llama")  # now OUT holds a checkpoint, and precious.txt beside it: still kept
-    status, _, err = convert(capsys, tmp_path / "src", out, "--no-verify", "--overwrite")
-    assert_one_line_error(status, err, "holds more than a checkpoint (precious.txt)")
-    assert (out / "precious.txt").read_text() == "keep me"
-
-    (out / "precious.txt").unlink()  # a checkpoint alone is replaced
-    status, _, err = convert(capsys, tmp_path / "src", out, "--no-verify", "--overwrite")
-    assert status == 0, err
-    assert (out / "model.safetensors").is_file()
-    assert json.loads((out / "config.json").read_text())["backbone_config"]["model_type"] == "qwen2"
-    assert not leftovers(tmp_path)
-
-    status, _, err = convert(capsys, tmp_path / "src", tmp_path / "src", "--overwrite")
-    assert_one_line_error(status, err, "is SRC or contains it")
-    assert (tmp_path / "src" / "model.safetensors").is_file()
-
-
-@pytest.mark.parametrize("damage", ["truncated", "corrupted header", "missing shard"])
-def test_damaged_safetensors(tmp_path, capsys, damage):
-    save_source(tmp_path / "src", "llama", max_shard_size="20KB")
-    shard = tmp_path / "src" / "model-00002-of-00005.safetensors"
-    data = shard.read_bytes()
-    if damage == "truncated":
-        shard.write_bytes(data[: len(data) // 2])
-    elif damage == "corrupted header":
-        shard.write_bytes(data[:8] + b"\x00garbage" + data[16:])
-    else:
-        shard.unlink()
-    status, _, err = convert(capsys, tmp_path / "src", tmp_path / "out")
-    expected = "missing" if damage == "missing shard" else "truncated or corrupted"
-    assert_one_line_error(status, err, shard.name, expected)
-    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
-
-
-class _Payload:
-    def __reduce__(self):
-        return (Path.touch, (Path(os.environ["HF_MHC_TEST_MARKER"]),))
-
-
-def test_pickled_weights_need_allow_pickle_and_load_weights_only(tmp_path, capsys, monkeypatch):
-    source = save_source(tmp_path / "src", "llama", tied=True)
-    (tmp_path / "src" / "model.safetensors").unlink()
-    torch.save(source.state_dict(), tmp_path / "src" / "pytorch_model.bin")
-    loads = []
-    real_load = torch.load
-    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: loads.append(kwargs) or real_load(*args, **kwargs))
-
-    status, _, err = convert(capsys, tmp_path / "src", tmp_path / "out", "--no-verify")
-    assert_one_line_error(status, err, "pytorch_model.bin", "--allow-pickle")
-    assert loads == [] and not (tmp_path / "out").exists()
-
-    status, _, err = convert(capsys, tmp_path / "src", tmp_path / "out", "--no-verify", "--allow-pickle")
-    assert status == 0, err
-    assert loads and all(kwargs.get("weights_only") is True for kwargs in loads)
-    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    ids = torch.randint(0, VOCAB, (1, 10))
-    with torch.no_grad():
-        torch.testing.assert_close(converted(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
-
-    # A pickle that would run code when unpickled is refused, and its code never runs.
-    marker = tmp_path / "code-ran"
-    monkeypatch.setenv("HF_MHC_TEST_MARKER", str(marker))
-    torch.save({"model.embed_tokens.weight": _Payload()}, tmp_path / "src" / "pytorch_model.bin")
-    status, _, err = convert(capsys, tmp_path / "src", tmp_path / "out2", "--allow-pickle")
-    assert_one_line_error(status, err, "weights_only=True")
-    assert not marker.exists() and not (tmp_path / "out2").exists()
-
-
-def test_interruption_leaves_no_output_and_no_staging(tmp_path, capsys, monkeypatch):
-    save_source(tmp_path / "src", "llama", max_shard_size="20KB")
-    written = []
-    real_write = SafetensorsStreamWriter.write_tensor
-
-    def write_then_interrupt(self, name, chunks, on_bytes=None):
-        if len(written) == 5:
-            raise KeyboardInterrupt
-        written.append(name)
-        return real_write(self, name, chunks, on_bytes)
-
-    monkeypatch.setattr(SafetensorsStreamWriter, "write_tensor", write_then_interrupt)
-    status, _, err = convert(capsys, tmp_path / "src", tmp_path / "new" / "out", "--max-shard-size", "10KB")
-    assert status == 130 and "interrupted" in err
-    assert len(written) == 5 and not (tmp_path / "new").exists()  # not even the parent it created
-
-    out = tmp_path / "out"
-    save_source(out, "qwen2")
-    old = {path.name: path.read_bytes() for path in out.iterdir()}
-    written.clear()
-    with pytest.raises(KeyboardInterrupt):
-        convert_checkpoint(tmp_path / "src", out, overwrite=True, progress=False)
-    assert {path.name: path.read_bytes() for path in out.iterdir()} == old and not leftovers(tmp_path)
-
-
-def test_stale_staging_of_a_dead_process_is_removed(tmp_path, capsys):
-    save_source(tmp_path / "src", "llama")
-    host = socket.gethostname()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f".out.hf-mhc-partial.{int(dead.stdout)}@{host}.abc123"
-    running = tmp_path / f".out.hf-mhc-partial.{os.getpid()}@{host}.def456"
-    stale.mkdir()
-    running.mkdir()
-    status, _, err = convert(capsys, tmp_path / "src", tmp_path / "out", "--no-verify")
-    assert status == 0, err
-    assert not stale.exists() and running.is_dir()
-
-
-def test_failed_verification_writes_nothing(tmp_path, capsys, monkeypatch):
-    save_source(tmp_path / "src", "llama")
-    real_tensors = convert_module.function_preserving_hc_tensors
-
-    def wrong_init(config):  # a conversion bug: layer 0's attention output weighted too much against the residual
-        tensors = real_tensors(config)
-        n = config.hc_mult
-        tensors["model.layers.0.attn_hc.base"][n : 2 * n] += 1.0
-        return tensors
-
-    monkeypatch.setattr(convert_module, "function_preserving_hc_tensors", wrong_init)
-    status, _, err = convert(capsys, tmp_path / "src", tmp_path / "out")
-    assert_one_line_error(status, err, "does not reproduce the source", "greedy decoding of 32 tokens", "bug")
-    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -379,36 +207,6 @@ def test_bad_options(tmp_path, capsys, args, message):
     assert not (tmp_path / "out").exists()
 
 
-def test_parse_size():
-    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MB") == 500 * 10**6
-    assert parse_size("2GiB") == 2 * 2**30 and parse_size("1.5 kb") == 1500 and parse_size("4096") == 4096
-    assert parse_size(123) == 123
-    for bad in ("", "5XB", "-1MB", "0"):
-        with pytest.raises(ConversionError):
-            parse_size(bad)
-
-
-def test_stream_writer_aligns_mixed_dtypes(tmp_path):
-    tensors = {
-        "odd_bytes": torch.arange(3, dtype=torch.int8),
-        "halves": torch.randn(3, 5).to(torch.bfloat16),
-        "floats": torch.randn(7),
-        "scalar": torch.tensor(2.5, dtype=torch.float64),
-    }
-    specs = aligned_order(TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
-    with SafetensorsStreamWriter(tmp_path / "mixed.safetensors", specs, metadata={"format": "pt"}) as writer:
-        for spec in specs:
-            tensor = tensors[spec.name]
-            writer.write_tensor(spec.name, tensor.split(2) if tensor.dim() else [tensor])
-    loaded = load_file(tmp_path / "mixed.safetensors")
-    assert set(loaded) == set(tensors)
-    for name, tensor in tensors.items():
-        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
-    with pytest.raises(RuntimeError, match="wrote 8 bytes, declared 12"):
-        with SafetensorsStreamWriter(tmp_path / "short.safetensors", [TensorSpec("x", torch.float32, (3,))]) as w:
-            w.write_tensor("x", [torch.zeros(2)])
-
-
 def test_converted_checkpoint_goes_through_hf_mhc_inspect(tmp_path, capsys):
     save_source(tmp_path / "src", "qwen2")
     status, _, err = convert(capsys, tmp_path / "src", tmp_path / "out", "--no-verify")
@@ -416,3 +214,283 @@ def test_converted_checkpoint_goes_through_hf_mhc_inspect(tmp_path, capsys):
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "out")]) == 0
     assert "layer" in capsys.readouterr().out.lower()
+
+
+def test_a_config_transformers_cannot_build_is_one_line(tmp_path, capsys):
+    save_source(tmp_path / "src", "llama")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config["num_attention_heads"] = 0
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    status, _, err = convert(capsys, tmp_path / "src", tmp_path / "out")
+    assert_one_line_error(status, err, "config.json")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_links_inside_src_are_copied_as_files(tmp_path, capsys):
+    src = tmp_path / "src"
+    save_source(src, "llama", tied=True)
+    (src / "originals").mkdir()
+    (src / "originals" / "LICENSE.txt").write_text("Apache-2.0")
+    (src / "LICENSE").symlink_to("originals/LICENSE.txt")
+    (src / "originals" / "tool_use.jinja").write_text("{{ tools }}")
+    (src / "additional_chat_templates").mkdir()
+    (src / "additional_chat_templates" / "tool_use.jinja").symlink_to(Path("..", "originals", "tool_use.jinja"))
+    (src / "additional_chat_templates" / "same").symlink_to(Path("..", "originals"))
+    (src / "additional_chat_templates" / "again").symlink_to(Path("..", "originals"))  # twice, but no loop
+    status, _, err = convert(capsys, src, tmp_path / "out", "--no-verify")
+    assert status == 0, err
+    out = tmp_path / "out"
+    for copied, text in [("LICENSE", "Apache-2.0"), ("additional_chat_templates/tool_use.jinja", "{{ tools }}"),
+                         ("additional_chat_templates/again/LICENSE.txt", "Apache-2.0")]:  # fmt: skip
+        assert not (out / copied).is_symlink() and (out / copied).read_text() == text
+    assert not any(path.is_symlink() for path in out.rglob("*"))
+
+    (src / "additional_chat_templates" / "loop").symlink_to(Path(".."))  # links to a folder above it
+    status, _, err = convert(capsys, src, tmp_path / "out2", "--no-verify")
+    assert_one_line_error(status, err, "links back to a folder above it")
+    assert not (tmp_path / "out2").exists() and not leftovers(tmp_path)
+
+
+# ---------------------------------------------------------------- fine-grained FP8 checkpoints
+
+
+BLOCK = (8, 8)  # weight_block_size: every Linear dimension of the tiny config is a multiple of 8
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
+
+
+def quantize_blockwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [out, in]`` -> float8_e4m3fn ``q [out, in]`` and float32 ``scale_inv [out/b0, in/b1]``, each block
+    scaled so that its largest entry maps to the e4m3 maximum, as DeepSeek-V3's checkpoints are made."""
+    rows, cols = weight.shape
+    blocks = weight.reshape(rows // BLOCK[0], BLOCK[0], cols // BLOCK[1], BLOCK[1])
+    scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (blocks / scale_inv[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+    return q, scale_inv.float()
+
+
+def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """``q · scale_inv`` block by block, in float32: the weight the FP8 checkpoint stands for."""
+    rows, cols = q.shape
+    blocks = q.float().reshape(rows // BLOCK[0], BLOCK[0], cols // BLOCK[1], BLOCK[1])
+    return (blocks * scale_inv[:, None, :, None]).reshape(rows, cols)
+
+
+def raw_entries(folder: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """Every tensor of the safetensors files in ``folder`` as stored: dtype name, shape and raw bytes."""
+    entries = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        data = path.read_bytes()
+        (length,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + length])
+        header.pop("__metadata__", None)
+        for name, entry in header.items():
+            start, stop = entry["data_offsets"]
+            entries[name] = (entry["dtype"], entry["shape"], data[8 + length + start : 8 + length + stop])
+    return entries
+
+
+def build_fp8_checkpoint(folder: Path, family: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Write an FP8 checkpoint of a tiny random ``family`` model (norms perturbed) to ``folder``: every Linear weight
+    but the lm_head block-quantized, config.json with the FP8 quantization_config, generation_config.json. Returns
+    the unquantized model and the dequantized one (``Q · S`` in place of each quantized weight: what the checkpoint
+    stands for)."""
+    torch.manual_seed(0)
+    folder.mkdir()
+    overrides = {"first_k_dense_replace": 2} if family == "deepseek_v3" else {}
+    config = tiny_backbone_config(family, initializer_range=0.2, **overrides)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if "norm" in name:
+                tensor.add_(0.5 * torch.randn_like(tensor))
+    dequantized = AutoModelForCausalLM.from_config(config).eval()
+    state, reference = {}, {}
+    for name, tensor in model.state_dict().items():
+        module = model.get_submodule(name.rpartition(".")[0])
+        if type(module) is torch.nn.Linear and name != "lm_head.weight":  # the lm_head stays unquantized
+            state[name], state[name + "_scale_inv"] = quantize_blockwise(tensor)
+            reference[name] = dequantize_blockwise(state[name], state[name + "_scale_inv"])
+        else:
+            state[name] = reference[name] = tensor.clone()
+    dequantized.load_state_dict(reference)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    config.quantization_config = dict(QUANTIZATION)
+    config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    return model, dequantized
+
+
+@pytest.fixture(scope="module")
+def fp8_source(tmp_path_factory) -> tuple[Path, torch.nn.Module, torch.nn.Module]:
+    """An FP8 DeepSeek-V3 checkpoint folder (MLA, dense layers), its unquantized and its dequantized model."""
+    folder = tmp_path_factory.mktemp("fp8") / "src"
+    return folder, *build_fp8_checkpoint(folder, "deepseek_v3")
+
+
+def token_ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def logits_of(folder: Path, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3"])  # DeepSeek-V3 and Qwen3-*-FP8 are published so
+def test_fp8_conversion_keeps_the_quantized_bytes_and_the_source_logits(family, tmp_path):
+    """The synthetic checkpoint is what transformers reads as FP8 (its CPU load equals the dequantized model and
+    lies within e4m3 rounding of the unquantized one); the conversion copies every float8 weight and scale byte for
+    byte, moves the quantization_config to the top of the mHC config (where from_pretrained reads it), adds the HC
+    tensors in float32, verifies, and loads (dequantized on CPU) with the source's logits."""
+    src = tmp_path / "src"
+    unquantized, dequantized = build_fp8_checkpoint(src, family)
+    ids = token_ids()
+    source_logits = logits_of(src, ids)
+    with torch.no_grad():
+        scale = dequantized(ids).logits.abs().max().item()
+        assert (source_logits - dequantized(ids).logits).abs().max().item() <= 1e-5 * scale
+        # e4m3 keeps 3 mantissa bits: each weight moves by up to 1/16 of itself; the logits by a few percent
+        fp8_error = (source_logits - unquantized(ids).logits).abs().max().item()
+        assert 1e-3 * scale < fp8_error < 0.3 * scale
+
+    out = tmp_path / "out"
+    report = convert_checkpoint(src, out, hc_mult=4, progress=False)
+    assert report.verification is not None and report.verification.passed, report.verification.summary()
+
+    source_entries, out_entries = raw_entries(src), raw_entries(out)
+    fp8_names = [name for name, (dtype, _, _) in source_entries.items() if dtype == "F8_E4M3"]
+    linears = [name for name, module in unquantized.named_modules() if type(module) is torch.nn.Linear]
+    assert len(fp8_names) == len(linears) - 1 == {"deepseek_v3": 16, "qwen3": 14}[family]  # all but the lm_head
+    for name in fp8_names:
+        assert out_entries[name] == source_entries[name], name
+        assert out_entries[name + "_scale_inv"] == source_entries[name + "_scale_inv"], name
+        assert out_entries[name + "_scale_inv"][0] == "F32"
+    assert {name: entry for name, entry in out_entries.items() if not is_hc_parameter(name)} == source_entries
+    hc = [entry for name, entry in out_entries.items() if is_hc_parameter(name)]
+    assert hc and all(dtype == "F32" for dtype, _, _ in hc)
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == QUANTIZATION
+    assert "quantization_config" not in config["backbone_config"]
+    assert report.quantization == QUANTIZATION
+    assert "fine-grained FP8, float8 with block scales `weight_scale_inv`" in (out / "README.md").read_text()
+
+    got = logits_of(out, ids)
+    assert (got - source_logits).abs().max().item() <= 1e-4 * max(1.0, source_logits.abs().max().item())
+
+
+def test_dtype_casts_only_the_unquantized_tensors_of_an_fp8_checkpoint(fp8_source, tmp_path, capsys):
+    """``--dtype bfloat16`` casts embeddings, norms and lm_head; the float8 weights and their float32 scales stay
+    byte-exact (a cast would change what they mean), and one warning line says so."""
+    src, _, _ = fp8_source
+    out = tmp_path / "out"
+    status, _, err = convert(capsys, src, out, "--dtype", "bfloat16", "--no-verify")
+    assert status == 0
+    warnings = [line for line in err.splitlines() if line.startswith("hf-mhc convert: warning: --dtype bfloat16")]
+    assert len(warnings) == 1 and "16 float8 weights and their weight_scale_inv stay as stored" in warnings[0], err
+    source_entries, out_entries = raw_entries(src), raw_entries(out)
+    for name, (dtype, shape, data) in source_entries.items():
+        if dtype == "F8_E4M3" or name.endswith("_scale_inv"):
+            assert out_entries[name] == (dtype, shape, data), name
+        else:
+            assert out_entries[name][0] == "BF16", name
+    ids = token_ids()
+    got, expected = logits_of(out, ids, torch.bfloat16), logits_of(src, ids, torch.bfloat16)
+    assert (got - expected).abs().max().item() <= 0.1 * max(1.0, expected.abs().max().item())
+
+
+def rewrite(
+    src: Path, folder: Path, *, drop: str | None = None, replace: dict | None = None, config: dict | None = None
+):
+    """A copy of the FP8 checkpoint ``src`` in ``folder`` with one tensor dropped or replaced, or config changed."""
+    folder.mkdir()
+    state = load_file(src / "model.safetensors")
+    if drop is not None:
+        del state[drop]
+    state.update(replace or {})
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((src / "config.json").read_text())
+    raw.update(config or {})
+    (folder / "config.json").write_text(json.dumps(raw))
+
+
+SCALE = "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
+
+
+@pytest.mark.parametrize(
+    ("change", "fragments"),
+    [
+        (dict(config={"quantization_config": None}), ["holds float8 tensors", "no quantization_config"]),
+        (
+            dict(config={"quantization_config": {"quant_method": "bitsandbytes"}}),
+            ["is quantized (bitsandbytes)", "convert the unquantized model"],
+        ),
+        (dict(config={"quantization_config": {**QUANTIZATION, "weight_block_size": 8}}), ["weight_block_size is 8"]),
+        (dict(config={"quantization_config": {**QUANTIZATION, "activation_scheme": "static"}}), ["fp8 with static"]),
+        (dict(drop=SCALE), ["q_a_proj.weight is float8 but has no", "weight_scale_inv beside it"]),
+        (dict(replace={SCALE: torch.ones(2, 2)}), [SCALE, "has shape [2, 2]", "needs floating scales of shape [3, 4]"]),
+    ],
+)
+def test_a_malformed_fp8_checkpoint_fails_in_one_line(fp8_source, tmp_path, capsys, change, fragments):
+    src, _, _ = fp8_source
+    rewrite(src, tmp_path / "bad", **change)
+    status, _, err = convert(capsys, tmp_path / "bad", tmp_path / "out", "--no-verify")
+    assert_one_line_error(status, err, *fragments)
+    assert not (tmp_path / "out").exists()
+
+
+def test_fp8_routed_experts_in_the_published_layout_convert_byte_exact(tmp_path):
+    """DeepSeek-V3's routed experts are published one FP8 tensor per expert, each with its scales: they are copied as
+    stored, and transformers pairs each with its scales and fuses the experts when it loads the mHC checkpoint."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_backbone_config("deepseek_v3")).save_pretrained(tmp_path / "plain")
+    state = load_file(tmp_path / "plain" / "model.safetensors")
+    experts = [name for name in state if ".experts.0." in name]
+    assert experts  # the published layout: one tensor per expert
+    for name in [name for name in state if name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")]:
+        state[name], state[name + "_scale_inv"] = quantize_blockwise(state[name])
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((tmp_path / "plain" / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**raw, "quantization_config": QUANTIZATION}))
+    report = convert_checkpoint(src, tmp_path / "out", hc_mult=4, progress=False)
+    assert report.verification is not None and report.verification.passed, report.verification.summary()
+    out_entries = raw_entries(tmp_path / "out")
+    assert {name: entry for name, entry in out_entries.items() if not is_hc_parameter(name)} == raw_entries(src)
+    assert out_entries[experts[0]][0] == "F8_E4M3"
+    ids = token_ids()
+    source_logits = logits_of(src, ids)
+    got = logits_of(tmp_path / "out", ids)
+    assert (got - source_logits).abs().max().item() <= 1e-4 * max(1.0, source_logits.abs().max().item())
+
+
+def test_verification_decodes_both_models_with_the_same_settings(fp8_source, tmp_path):
+    """A source without generation_config.json (as the config-only copies of DeepSeek-V3 often are) derives its
+    eos_token_id from config.json: both models decode with the same settings (``min_new_tokens`` masking that token
+    for one model only would make greedy decoding differ where the logits agree to 1e-6 of their scale)."""
+    src, _, _ = fp8_source
+    bare = tmp_path / "src"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((src / name).read_bytes())
+    report = convert_checkpoint(bare, tmp_path / "out", progress=False)
+    assert report.verification.passed and report.verification.greedy_agrees, report.verification.summary()
+
+
+def test_a_sharded_fp8_conversion_loads_with_weight_and_scales_in_different_shards(fp8_source, tmp_path):
+    """DeepSeek-V3 is 163 shards: transformers pairs each float8 weight with its scales across shard files, so small
+    output shards that separate a pair still load and verify."""
+    src, _, _ = fp8_source
+    report = convert_checkpoint(src, tmp_path / "out", max_shard_size="6KB", progress=False)
+    assert report.verification.passed, report.verification.summary()
+    weight_map = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(
+        weight_map[name] != weight_map[name.removesuffix("_scale_inv")]
+        for name in weight_map
+        if name.endswith("_scale_inv")
+    )
+    source_entries, out_entries = raw_entries(src), raw_entries(tmp_path / "out")
+    assert {name: entry for name, entry in out_entries.items() if not is_hc_parameter(name)} == source_entries

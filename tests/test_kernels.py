@@ -35,8 +35,8 @@ from hf_mhc.kernels.coeffs_pre_op import mhc_coeffs_pre_bwd_op, mhc_coeffs_pre_f
 from hf_mhc.kernels.common import map_token_chunks
 from hf_mhc.kernels.post_res_op import mhc_post_res_bwd_op, mhc_post_res_fwd_op
 from hf_mhc.kernels.pre_op import mhc_pre_fwd_op
-from hf_mhc.kernels.profiling import saved_bytes_for_backward
 from hf_mhc.kernels.sinkhorn_op import sinkhorn_fwd_op
+from hf_mhc.profiling import saved_bytes_for_backward
 
 BACKENDS = ["torch", "triton"]
 VARIANTS = ["unconstrained", "identity", "permutations"]  # the residual maps beside mHC's "sinkhorn"

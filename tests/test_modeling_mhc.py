@@ -220,7 +220,7 @@ def test_sequence_classification():
 
 
 def test_selective_recomputation_gives_the_same_gradients_and_saves_less():
-    from hf_mhc.kernels.profiling import saved_bytes_for_backward
+    from hf_mhc.profiling import saved_bytes_for_backward
 
     model = random_mhc("llama", hc_mult=4).train()
     ids = token_ids()

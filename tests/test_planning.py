@@ -1,6 +1,6 @@
 """``hf_mhc.planning`` and ``hf-mhc plan``: the seeds' KV-cache figures, the real ``DynamicCache`` of every family
 (residual and mHC), parameter bytes of the real models and their split per device, mHC traffic and pipeline-boundary
-bytes by hand."""
+bytes by hand, and the activation cases a plan reports (the counting itself is test_activation_count.py's)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,18 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import FAMILY_SETTINGS, tiny_backbone_config
+from conftest import FAMILY_SETTINGS, MOE_FAMILIES, tiny_backbone_config
 from distributed_workers import native_worker
+from split_helpers import COUNT_BATCH, COUNT_TOKENS, TRAINING_CASES, real_held
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers_suite import run_distributed
 
 import hf_mhc
 from hf_mhc import MHCConfig, MHCForCausalLM
+from hf_mhc.activation_count import ACTIVATION_CASES
 from hf_mhc.cli import main
-from hf_mhc.kernels.profiling import cache_bytes
 from hf_mhc.planning import format_plan, plan_memory
+from hf_mhc.profiling import cache_bytes
 
 TOKENS = 11  # more than every tiny sliding window (Mistral 6, Gemma 3 4, Qwen2's below 5)
 GiB = 2**30
@@ -113,8 +115,7 @@ def test_parameter_bytes_in_bfloat16_and_per_device():
 
 
 def test_tp_follows_the_models_own_plan_for_a_16_layer_llama():
-    """The case of the report: Llama's TP plan splits the embeddings and the LM head too; 36 % less than when they
-    were counted whole on every rank."""
+    """Llama's TP plan splits the embeddings and the LM head too, not only the decoder layers."""
     config = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                          intermediate_size=8192, vocab_size=32000)
     layer = 2 * 2048 * 2048 + 2 * 512 * 2048 + 3 * 8192 * 2048  # q, o; k, v; gate, up, down: split 4 ways
@@ -257,3 +258,51 @@ def test_hf_mhc_plan_turns_bad_input_into_one_line(tmp_path, capsys):
         assert capsys.readouterr().err == f"hf-mhc plan: error: {message}\n"
     assert main(["plan", str(folder), "--hc-mult", "9"]) == 1
     assert capsys.readouterr().err.startswith("hf-mhc plan: error: hc_mult must be")
+
+
+# ---------------------------------------------------------------- activations held for backward
+
+
+def test_checkpointed_layers_hold_their_inputs_by_hand():
+    """Gradient checkpointing: per layer the hidden states entering it (``n·C`` streams for mHC) and a copy of the
+    CPU random state; the rotary ``cos`` and ``sin`` ``[1, T, head_dim]`` in the model's dtype and the position ids
+    ``[1, T]`` (int64) that every layer's keyword arguments pass, first held by layer 0."""
+    config = tiny_backbone_config("llama")  # C = 32, 2 layers, head_dim 8
+    plan = plan_memory(config, tokens=COUNT_TOKENS, batch=COUNT_BATCH, dtype="bfloat16", hc_mult=4)
+    rng_state = torch.get_rng_state().numel()
+    rotary = 2 * COUNT_TOKENS * 8 * 2 + COUNT_TOKENS * 8
+    layers, per_token = config.num_hidden_layers, COUNT_BATCH * COUNT_TOKENS
+    for name, width in (("residual + gradient checkpointing", 32), ("mhc + gradient checkpointing", 4 * 32)):
+        expected = layers * (per_token * width * 2 + rng_state) + rotary
+        assert plan.activation_bytes_per_token_layer[name] * per_token * layers == expected, name
+        assert plan.activation_bytes[name] == expected + plan.activation_bytes_outside_layers[name]
+
+
+def test_the_plan_reports_every_case():
+    plan = plan_memory(tiny_backbone_config("qwen3_moe"), tokens=COUNT_TOKENS, batch=COUNT_BATCH, dtype="bfloat16",
+                       hc_mult=4)
+    assert list(plan.activation_bytes) == [name for name, *_ in ACTIVATION_CASES]
+    mhc = plan.activation_bytes_per_token_layer
+    assert mhc["mhc + hc_recompute"] < mhc["mhc"] and mhc["mhc + gradient checkpointing"] < mhc["mhc + hc_recompute"]
+    assert set(plan.activation_largest_layer_bytes) == {"residual", "mhc", "mhc + hc_recompute"}
+    residual = plan_memory(tiny_backbone_config("qwen3_moe"), tokens=COUNT_TOKENS, batch=COUNT_BATCH, dtype="bfloat16")
+    assert list(residual.activation_bytes) == ["residual", "residual + gradient checkpointing"]
+    assert residual.activation_bytes["residual"] == plan.activation_bytes["residual"]
+    assert MOE_FAMILIES  # qwen3_moe: its dense layer 0 and its MoE layer 1 differ
+    assert plan.activation_largest_layer_bytes["residual"] * 2 > plan.activation_bytes["residual"] - (
+        plan.activation_bytes_outside_layers["residual"])
+
+
+def test_the_mhc_plan_runs_the_configs_attention(tmp_path, one_thread):
+    """A config.json saved with ``attn_implementation: eager`` (the ``T × T`` probabilities held): the mHC cases
+    run it too, as ``hf_mhc.upcycle`` of that model does (counted on its real tensors)."""
+    folder = tmp_path / "eager"
+    tiny_backbone_config("llama").save_pretrained(folder)
+    saved = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**saved, "attn_implementation": "eager"}))
+    plan = plan_memory(folder, tokens=COUNT_TOKENS, batch=COUNT_BATCH, dtype="float32", hc_mult=2)
+    torch.manual_seed(0)
+    upcycled = hf_mhc.upcycle(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).train(), hc_mult=2)
+    assert upcycled.config._attn_implementation == "eager"
+    for (name, *_), real in zip(ACTIVATION_CASES[2:], real_held(upcycled, TRAINING_CASES), strict=True):
+        assert plan.activation_bytes[name] == sum(real.values()), name

@@ -39,7 +39,7 @@ from transformers import (
 from transformers.utils import is_hqq_available, is_optimum_quanto_available
 
 import hf_mhc
-from hf_mhc.kernels.profiling import cache_bytes
+from hf_mhc.profiling import cache_bytes
 
 needs_quanto = pytest.mark.skipif(not is_optimum_quanto_available(),
                                   reason="optimum-quanto is not installed (pip install 'hf-mhc[quant]')")

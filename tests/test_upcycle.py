@@ -85,8 +85,8 @@ def test_upcycle_rejects_unsupported_families():
     ],
 )
 def test_upcycle_refuses_unknown_options_before_loading(tmp_path, options, message):
-    """A misspelt option used to be ignored silently (the model got the default). It is refused by name before a
-    path is loaded (this one does not exist), and by ``mhc_config_for``, which ``hf-mhc convert`` uses."""
+    """A misspelt option is refused by name, never ignored (the model would get the default): before a path is
+    loaded (this one does not exist), and by ``mhc_config_for``, which ``hf-mhc convert`` uses."""
     with pytest.raises(ValueError, match=message) as error:
         hf_mhc.upcycle(tmp_path / "not-loaded", hc_mult=4, **options)
     assert "\n" not in str(error.value)

@@ -1,0 +1,66 @@
+"""Helpers shared by the tests of ``hf_mhc.activation_count``, ``hf_mhc.profiling`` and ``hf_mhc.planning``, and by
+those of the diagnostics modules (``hf_mhc.diagnostics``, ``diagnostics_plots``, ``diagnostics_callback``,
+``diagnostics_cli``)."""
+
+from __future__ import annotations
+
+import torch
+from conftest import tiny_backbone_config
+
+from hf_mhc import MHCConfig, MHCForCausalLM
+from hf_mhc.activation_count import held_by_case
+
+COUNT_BATCH, COUNT_TOKENS = 2, 24  # more tokens than Mistral's and Gemma 3's sliding windows
+TRAINING_CASES = [(False, False), (True, False), (False, True)]  # (hc_recompute, gradient checkpointing)
+
+
+def counted_backbone(family: str):
+    """The tiny ``family`` config the activation counts run on. DeepSeek-V3 with q/k and v head dims equal (8 + 8 =
+    16): torch's CPU SDPA then runs the fused kernel, as the plan counts; unequal dims are
+    test_activation_count.py's test_unequal_head_dims_count_as_the_memory_efficient_kernel's."""
+    return tiny_backbone_config(family, **({"v_head_dim": 16} if family == "deepseek_v3" else {}))
+
+
+def real_held(model, cases) -> list[dict]:
+    """What :func:`hf_mhc.activation_count.activations_held` counts, on ``model``'s real tensors (the same cases and
+    attribution)."""
+    return held_by_case(model, torch.randint(3, 100, (COUNT_BATCH, COUNT_TOKENS)), tuple(cases))
+
+
+# ---------------------------------------------------------------- diagnostics
+
+
+def three_layer_mhc_model(hc_mult=4, hc_init="function_preserving", **hc_options) -> MHCForCausalLM:
+    """A 3-layer tiny Llama mHC model in eval mode; ``hc_options``: other :class:`MHCConfig` fields."""
+    config = MHCConfig(
+        backbone_config=tiny_backbone_config("llama", num_hidden_layers=3), hc_mult=hc_mult, hc_init=hc_init,
+        **hc_options,
+    )
+    return MHCForCausalLM(config).eval()
+
+
+def randomize_hc(model, fn_std=0.3, base_std=1.0):
+    """Strongly token-dependent maps: random fn and base, unit scales."""
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "MHCHyperConnection":
+                module.fn.normal_(0.0, fn_std)
+                module.base.normal_(0.0, base_std)
+                module.scale.fill_(1.0)
+    return model
+
+
+def known_signed_maps(model, monkeypatch, shape, scale, seed=0):
+    """Give every HC site of ``model`` known token-dependent maps: ``comb = scale * (I + 0.5 R)`` with ``R`` standard
+    normal per token (entries of both signs, rows and columns far from summing to 1), returned by the site's ``maps``
+    (what the report reads). Returns the float32 ``comb [B, T, n, n]`` of every site in depth order."""
+    generator = torch.Generator().manual_seed(seed)
+    n = model.config.hc_mult
+    combs = []
+    for layer in model.model.layers:
+        for site in (layer.attn_hc, layer.ffn_hc):
+            comb = scale * (torch.eye(n) + 0.5 * torch.randn(*shape, n, n, generator=generator))
+            pre, post = torch.rand(*shape, n, generator=generator), 2 * torch.rand(*shape, n, generator=generator)
+            monkeypatch.setattr(site, "maps", lambda streams, maps=(pre, post, comb): maps)
+            combs.append(comb)
+    return combs
