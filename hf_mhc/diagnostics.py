@@ -190,6 +190,23 @@ def stability_report(
 ) -> dict[str, Any]:
     """Run ``model`` on ``input_ids`` and measure the stability of its mHC residual mixing.
 
+    The report is a dict with these keys:
+
+    - ``"hc_residual_map"`` (the variant measured, see :func:`residual_map_of`), ``"hc_mult"`` (n), ``"num_layers"``,
+      ``"num_tokens"`` (tokens measured);
+    - ``"sites"``: one dict per HC site in depth order, with ``"layer"``, ``"sublayer"`` (``"attn"`` / ``"ffn"``), the
+      scalars of :data:`SITE_SCALARS` and, for plots, ``"comb_token_mean"`` (``n x n`` nested list),
+      ``"pre_stream_mean"`` / ``"post_stream_mean"`` (``n`` lists). Gains are those of the map as applied,
+      ``M = comb^T`` (per token; ``_max`` / ``_mean`` over tokens; not bounded by 1 for ``"unconstrained"`` maps);
+      ``cumulative_*`` are the gains of the product ``M_s ... M_1 M_0`` of the maps from the embedding through this
+      site; ``comb_*_sum_max_deviation`` is the largest ``|sum - 1|`` over tokens of ``comb``'s rows / columns and
+      ``comb_{row|col}_sum_{min|max}`` the range of those sums; ``stream_cosine_*`` is the mean pairwise cosine
+      similarity of the streams entering the site (mean / max over tokens; ``None`` for n = 1);
+    - ``"composite"``: ``forward_gain_max``, ``forward_gain_mean``, ``backward_gain_max``, ``backward_gain_mean`` of
+      the product over the whole depth (float64);
+    - ``"summary"``: flat scalars over all sites (composite gains, the largest site gains and deviations, stream
+      similarity, the ``pre`` / ``post`` range), the keys :func:`report_scalars` logs.
+
     Args:
         model: an mHC model (``MHCForCausalLM``, ``MHCModel``, a PEFT model around one, ...). Run in eval mode
             without gradients; its training mode is restored afterwards.
@@ -197,23 +214,7 @@ def stability_report(
         attention_mask: ``[B, T]``, optional; statistics cover only the tokens it keeps.
 
     Returns:
-        A dict with
-
-        - ``"hc_residual_map"`` (the variant measured, see :func:`residual_map_of`), ``"hc_mult"`` (n),
-          ``"num_layers"``, ``"num_tokens"`` (tokens measured);
-        - ``"sites"``: one dict per HC site in depth order, with ``"layer"``, ``"sublayer"`` (``"attn"`` / ``"ffn"``),
-          the scalars of :data:`SITE_SCALARS` and, for plots, ``"comb_token_mean"`` (``n x n`` nested list),
-          ``"pre_stream_mean"`` / ``"post_stream_mean"`` (``n`` lists). Gains are those of the map as applied,
-          ``M = comb^T`` (per token; ``_max`` / ``_mean`` over tokens; not bounded by 1 for ``"unconstrained"``
-          maps); ``cumulative_*`` are the gains of the product
-          ``M_s ... M_1 M_0`` of the maps from the embedding through this site; ``comb_*_sum_max_deviation`` is the
-          largest ``|sum - 1|`` over tokens of ``comb``'s rows / columns and ``comb_{row|col}_sum_{min|max}`` the range
-          of those sums; ``stream_cosine_*`` is the mean pairwise
-          cosine similarity of the streams entering the site (mean / max over tokens; ``None`` for n = 1);
-        - ``"composite"``: ``forward_gain_max``, ``forward_gain_mean``, ``backward_gain_max``, ``backward_gain_mean``
-          of the product over the whole depth (float64);
-        - ``"summary"``: flat scalars over all sites (composite gains, the largest site gains and deviations, stream
-          similarity, the ``pre`` / ``post`` range), the keys :func:`report_scalars` logs.
+        The report described above.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError("input_ids must be an integer torch.Tensor of token ids, shape [B, T] or [T].")

@@ -85,6 +85,22 @@ def tiny_backbone_config(family: str, *, tie_word_embeddings: bool = False, **ov
     return AutoConfig.for_model(family, **common)
 
 
+def perturbed_source_model(family: str, *, tie_word_embeddings: bool = False) -> torch.nn.Module:
+    """The family's tiny causal LM with every norm weight and bias perturbed, so that a norm or bias the mHC model
+    leaves out, applies twice or puts in the wrong place changes the logits (Gemma's zero-centred norms would
+    otherwise be the identity). ``initializer_range=0.2`` gives logits of a few units and routers whose choice of
+    experts depends on the token (DeepSeek-V3's routing bias is perturbed too)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_backbone_config(family, tie_word_embeddings=tie_word_embeddings, initializer_range=0.2)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+            if "norm" in name or name.endswith(".bias") or name.endswith("e_score_correction_bias"):
+                tensor.add_(0.5 * torch.randn_like(tensor))
+    return model
+
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # the families the older, family-parametrised tests run on
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 DENSE_FAMILIES = tuple(family for family in FAMILY_SETTINGS if family not in MOE_FAMILIES)

@@ -13,35 +13,18 @@ from split_helpers import known_signed_maps, randomize_hc, three_layer_mhc_model
 from transformers import LlamaForCausalLM
 
 import hf_mhc.diagnostics as diagnostics
-from hf_mhc import diagnostics_callback, diagnostics_cli, diagnostics_plots
+from hf_mhc import diagnostics_callback, diagnostics_cli, diagnostics_plots, mhc_reference
 from hf_mhc.diagnostics import SITE_SCALARS, capture_hc_maps, format_report, report_scalars, stability_report
 from hf_mhc.mhc_reference import RESIDUAL_MAPS
 
 
 def reference_comb(streams, hc, residual_map="sinkhorn"):
-    """float64 ``comb [..., n, n]`` of one HC site from the streams entering it, written out from the formula of
-    ``residual_map``."""
-    n = streams.shape[-2]
-    if residual_map == "identity":
-        return torch.eye(n, dtype=torch.float64).expand(*streams.shape[:-2], n, n)
-    flat = streams.flatten(-2).double()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + hc.norm_eps)
-    comb_w, comb_b = (flat @ hc.fn.double().T)[..., 2 * n:], hc.base.double()[2 * n:]
-    comb_scale = hc.scale.double()[2]
-    if residual_map == "unconstrained":  # static plus scaled-tanh dynamic, no projection
-        return (comb_scale * torch.tanh(comb_w) + comb_b).unflatten(-1, (n, n))
-    if residual_map == "permutations":  # sum_k w_k P_k, P_k[i, perm_k[i]] = 1, perms in lexicographic order
-        weights = torch.softmax(comb_scale * comb_w + comb_b, dim=-1)
-        comb = torch.zeros(*streams.shape[:-2], n, n, dtype=torch.float64)
-        for k, perm in enumerate(itertools.permutations(range(n))):
-            for i, j in enumerate(perm):
-                comb[..., i, j] += weights[..., k]
-        return comb
-    comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_scale + comb_b.view(n, n), dim=-1) + hc.hc_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + hc.hc_eps)
-    for _ in range(hc.hc_sinkhorn_iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + hc.hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + hc.hc_eps)
+    """float64 ``comb [..., n, n]`` (the one applied) of one HC site from the streams entering it: the reference
+    formula, ``hf_mhc.mhc_reference``, computed in float64."""
+    _, _, comb = mhc_reference.mhc_coeffs(
+        streams.double(), hc.fn.double(), hc.base.double(), hc.scale.double(), sinkhorn_iters=hc.hc_sinkhorn_iters,
+        eps=hc.hc_eps, norm_eps=hc.norm_eps, residual_map=residual_map, post_magnitude=hc.config.hc_post_magnitude,
+        compute_dtype=torch.float64)
     return comb
 
 
