@@ -13,22 +13,15 @@ from transformers import (
     AutoModelForSequenceClassification,
 )
 
+from . import modeling_mhc
 from .accelerate_fsdp2 import install as _install_accelerate_fsdp2
 from .configuration_mhc import SUPPORTED_BACKBONES, MHCConfig
-from .modeling_mhc import (
-    MHCDecoderLayer,
-    MHCForCausalLM,
-    MHCForSequenceClassification,
-    MHCHyperConnection,
-    MHCHyperHead,
-    MHCModel,
-    MHCPreTrainedModel,
-)
+from .modeling_mhc import *  # noqa: F403  (the mHC model classes: modeling_mhc.__all__)
 
 AutoConfig.register(MHCConfig.model_type, MHCConfig, exist_ok=True)
-AutoModel.register(MHCConfig, MHCModel, exist_ok=True)
-AutoModelForCausalLM.register(MHCConfig, MHCForCausalLM, exist_ok=True)
-AutoModelForSequenceClassification.register(MHCConfig, MHCForSequenceClassification, exist_ok=True)
+AutoModel.register(MHCConfig, modeling_mhc.MHCModel, exist_ok=True)
+AutoModelForCausalLM.register(MHCConfig, modeling_mhc.MHCForCausalLM, exist_ok=True)
+AutoModelForSequenceClassification.register(MHCConfig, modeling_mhc.MHCForSequenceClassification, exist_ok=True)
 _install_accelerate_fsdp2()  # Accelerate / Trainer FSDP2 keep the HC modules float32 (see hf_mhc.accelerate_fsdp2)
 
 from .conversion import upcycle  # noqa: E402  (needs the classes registered above)
@@ -44,16 +37,4 @@ def apply_mhc_kernels(model, backend: str | None = None):
     return apply(model, backend=backend)
 
 
-__all__ = [
-    "SUPPORTED_BACKBONES",
-    "MHCConfig",
-    "MHCDecoderLayer",
-    "MHCForCausalLM",
-    "MHCForSequenceClassification",
-    "MHCHyperConnection",
-    "MHCHyperHead",
-    "MHCModel",
-    "MHCPreTrainedModel",
-    "apply_mhc_kernels",
-    "upcycle",
-]
+__all__ = ["SUPPORTED_BACKBONES", "MHCConfig", *modeling_mhc.__all__, "apply_mhc_kernels", "upcycle"]
