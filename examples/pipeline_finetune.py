@@ -18,9 +18,11 @@ squared norms of all stages all-reduced) and steps AdamW on its stages, with a l
 the learning rate. Run without torchrun (or with one rank), the script trains the whole model in one process on the
 same microbatches with the same gradient accumulation, so it reaches the weights of the pipelined run.
 
-Tied embeddings (``lm_head.weight is embed_tokens.weight``, as in stories260K) sit on the first and the last stage:
-``lm_head`` gets its own copy before training (in every mode, so all modes train the same parameters), and the
-saved folder has ``tie_word_embeddings: false``.
+Tied embeddings (``lm_head.weight is embed_tokens.weight``, as in stories260K) stay tied: the first and the last
+stage each hold a copy of the weight, and after each backward both get the sum of their gradients (over their two
+ranks, ``hf_mhc.distributed.TiedEmbeddingSync``), so both take the same AdamW step and stay equal; the saved folder
+keeps ``tie_word_embeddings: true`` and one tensor. --untie-word-embeddings gives ``lm_head`` its own copy before
+training instead (in every mode, so all modes train the same parameters), saved with ``tie_word_embeddings: false``.
 
 --model: an mHC folder (or a residual one with --upcycle). Default: ../shared/assets/stories260K upcycled when that
 folder exists. --dataset: a Hugging Face Hub dataset id, or local .txt / .json / .jsonl / .csv / .parquet files (a
@@ -77,7 +79,7 @@ from fsdp2_finetune import start_distributed  # noqa: E402
 
 import hf_mhc  # noqa: E402
 from hf_mhc.cli import first_line  # noqa: E402
-from hf_mhc.distributed import split_pipeline  # noqa: E402
+from hf_mhc.distributed import TiedEmbeddingSync, split_pipeline  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "dualpipev")
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2, "dualpipev": 2}
@@ -111,6 +113,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     train.add_argument("--save-every", type=int, default=0,
                        help="save a checkpoint every N steps to OUTPUT_DIR/checkpoint-N (default 0: none)")
     add_shared_option(train, "--resume")
+    train.add_argument("--untie-word-embeddings", action="store_true",
+                       help="give a tied lm_head its own copy of the embedding before training (default: keep it tied)")
     parser.set_defaults(lora=False)  # finetune.py's checks also serve its LoRA mode
     args = parser.parse_args(argv)
 
@@ -190,15 +194,27 @@ def untie_lm_head(model: hf_mhc.MHCForCausalLM) -> bool:
     return True
 
 
-def clip_global_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float, distributed: bool) -> float:
+def stage_ranks(schedule: str, world_size: int, num_stages: int) -> list[int]:
+    """The rank that runs each stage (the inverse of :func:`local_stage_indices`)."""
+    ranks = [0] * num_stages
+    for rank in range(world_size):
+        for index in local_stage_indices(schedule, rank, world_size):
+            ranks[index] = rank
+    return ranks
+
+
+def clip_global_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float, distributed: bool,
+                          duplicate: torch.nn.Parameter | None = None) -> float:
     """Scale the gradients of ``parameters`` (this rank's, summed over all ranks when ``distributed``) to a global
     L2 norm of at most ``max_norm`` (``0``: no clipping); return the norm before clipping. The squares are summed
-    in float64, so the norm does not depend on how the parameters are split into stages."""
+    in float64, so the norm does not depend on how the parameters are split into stages; ``duplicate`` (the last
+    stage's copy of a tied embedding, whose first copy is counted) is scaled but not counted."""
     gradients = [parameter.grad for parameter in parameters if parameter.grad is not None]
     device = gradients[0].device if gradients else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float64, device=device)
-    for gradient in gradients:
-        squares += torch.linalg.vector_norm(gradient, dtype=torch.float64).square()
+    for parameter in parameters:
+        if parameter.grad is not None and parameter is not duplicate:
+            squares += torch.linalg.vector_norm(parameter.grad, dtype=torch.float64).square()
     if distributed:
         dist.all_reduce(squares)
     norm = squares.sqrt()
@@ -316,6 +332,8 @@ def check_args_before_work(parser: argparse.ArgumentParser, args: argparse.Names
     if resumed is not None:
         finetune.check_resume_fits(parser, args, str(resumed.checkpoint), model)
         model = example_utils.load_causal_lm(parser, str(resumed.checkpoint), option="--resume", dtype=torch.float32)
+        if args.untie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight:
+            parser.error(f"--resume {resumed.checkpoint} kept its word embeddings tied: drop --untie-word-embeddings")
     num_layers = len(model.model.layers)
     if args.num_stages > num_layers:
         fewer = " or a schedule of one stage per rank (gpipe, 1f1b)" if args.num_stages > args.world_size else ""
@@ -348,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     parser, args = parse_args(argv)
     set_seed(args.seed)
     out, resumed, model, tokenizer, blocks, corpus = check_args_before_work(parser, args)
-    was_tied = untie_lm_head(model)
+    untied = args.untie_word_embeddings and untie_lm_head(model)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
     pipelined = args.world_size > 1
 
     if pipelined:
@@ -369,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.device("cpu"))
         stage_indices = local_stage_indices(args.schedule, rank, world_size)
         stage_modules = split_pipeline(model.train(), args.num_stages)
+        tied_embedding = TiedEmbeddingSync(stage_modules, stage_ranks(args.schedule, world_size, args.num_stages))
         modules = [stage_modules[index].to(device) for index in stage_indices]
         stages = [PipelineStage(module, index, args.num_stages, device)
                   for module, index in zip(modules, stage_indices, strict=True)]
@@ -381,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         rank, world_size = 0, 1
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         modules = [split_pipeline(model.train(), 1)[0].to(device)]  # the whole model, as one stage
-        stage_indices, holds_first, holds_last = [0], True, True
+        stage_indices, holds_first, holds_last, tied_embedding = [0], True, True, None
     parameters = [parameter for module in modules for parameter in module.parameters()]
     optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=args.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.steps)
@@ -399,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         how = (f"{args.num_stages} stages on {world_size} ranks, {args.schedule}" if pipelined
                else "one process, no pipeline")
         print(f"model: {args.model}: mHC, n = {model.config.hc_mult} streams, {len(model.model.layers)} layers"
-              f"{'; lm_head untied from the embedding' if was_tied else ''}; {how}")
+              f"{'; lm_head untied from the embedding' if untied else ''}"
+              f"{'; tied embeddings, kept equal on the first and last stage' if tied and pipelined else ''}; {how}")
         print(f"data: {corpus}: {len(blocks)} blocks of {args.block_size} tokens; {args.batch_size} sequences per step "
               f"in {args.microbatches} microbatches")
         if resumed is not None:
@@ -409,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         """Write the merged model, the tokenizer, (for a checkpoint) every rank's training state and, last, the
         trainer state into ``folder``, then read back what was written: a save that a full disk cut short raises."""
         merged = {name: tensor for rank_state in gathered for name, tensor in rank_state["model"].items()}
+        if model.config.tie_word_embeddings:  # the last stage's copy of the tied embedding: saved once
+            merged.pop("lm_head.weight", None)
         model.save_pretrained(folder, state_dict=merged)
         tokenizer.save_pretrained(folder)
         torch_files = {}
@@ -474,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         if pipelined:
             step_kwargs = {"target": batch, "losses": losses} if holds_last else {}
             schedule.step(batch, **step_kwargs) if holds_first else schedule.step(**step_kwargs)
+            tied_embedding.all_reduce_grad()
         else:  # the same microbatches, each loss's gradient accumulated, then divided by their number
             for microbatch in batch.tensor_split(args.microbatches):
                 loss = next_token_loss(modules[0](microbatch), microbatch)
@@ -487,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         if pipelined:
             dist.all_reduce(loss_sum)  # only the rank holding the last stage adds its losses
         mean_loss = loss_sum.item() / args.microbatches
-        grad_norm = clip_global_grad_norm(parameters, args.max_grad_norm, pipelined)
+        duplicate = None if tied_embedding is None else tied_embedding.duplicate  # the tied embedding counts once
+        grad_norm = clip_global_grad_norm(parameters, args.max_grad_norm, pipelined, duplicate)
         learning_rate = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

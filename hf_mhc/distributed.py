@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers.modeling_utils import PreTrainedModel
 
-__all__ = ["MHCPipelineStageModule", "apply_fsdp2", "split_pipeline"]
+__all__ = ["MHCPipelineStageModule", "TiedEmbeddingSync", "apply_fsdp2", "split_pipeline"]
 
 
 # --- FSDP2 ----------------------------------------------------------------------------------------------------------
@@ -300,6 +300,7 @@ class MHCPipelineStageModule(nn.Module):
         num_stages: int,
         lm_head: nn.Linear | None,
         boundary_dtype: torch.dtype | None = None,
+        holds_tied_embedding: bool = False,
     ):
         super().__init__()
         self.config = model.config
@@ -318,6 +319,15 @@ class MHCPipelineStageModule(nn.Module):
             trunk.hc_head, trunk.norm = PipelineIdentityLayer(), PipelineIdentityLayer()
         self.model = trunk
         self.lm_head = lm_head
+        self.holds_tied_embedding = holds_tied_embedding
+
+    @property
+    def tied_embedding(self) -> nn.Parameter | None:
+        """The word embedding the first and the last stage of a tied model share (``embed_tokens.weight`` here,
+        ``lm_head.weight`` there: one parameter; see :class:`TiedEmbeddingSync`), else ``None``."""
+        if not self.holds_tied_embedding:
+            return None
+        return self.model.embed_tokens.weight if self.is_first else self.lm_head.weight
 
     @property
     def stream_dtype(self) -> torch.dtype:
@@ -357,23 +367,28 @@ def split_pipeline(
     last stage ``hc_head``, the final norm and ``lm_head``. Every stage shares its parameters with ``model`` (nothing
     is copied), so each rank keeps the stage(s) it runs, wraps them in ``PipelineStage``, and drops the rest.
 
-    Tied embeddings (``lm_head.weight is embed_tokens.weight``) live on the first and the last stage. With more than
-    one stage this raises unless ``untie_word_embeddings=True``, which gives the last stage its own copy of
-    ``lm_head`` (a separate parameter from then on, as with ``tie_word_embeddings=False``: set
+    Tied embeddings (``lm_head.weight is embed_tokens.weight``) live on the first and the last stage, as
+    ``embed_tokens`` there and ``lm_head`` here: with more than one stage the last stage holds a copy of the weight
+    (``tied_embedding`` of both stage modules), and :class:`TiedEmbeddingSync` sums the gradients of the two copies
+    after each backward (one all-reduce where two ranks hold them), so they take the same optimizer step and stay
+    equal, as Megatron-LM keeps its tied embeddings; the merged stage state dicts save as the tied model they are.
+    ``untie_word_embeddings=True`` lets the copy train on its own instead (a separate parameter from then on: set
     ``model.config.tie_word_embeddings`` and ``model.config.backbone_config.tie_word_embeddings`` to ``False``
-    before saving the merged stage state dicts, as ``examples/pipeline_finetune.py`` does).
+    before saving).
 
     Example (two ranks, one stage each)::
 
-        stages = split_pipeline(model, num_stages=2, untie_word_embeddings=True)  # a no-op for untied embeddings
+        stages = split_pipeline(model, num_stages=2)
+        tied = TiedEmbeddingSync(stages, stage_ranks=[0, 1])  # on every rank, before dropping the other stage
         stage = PipelineStage(stages[rank], rank, 2, device)
         schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=loss_fn)
         schedule.step(input_ids) if rank == 0 else schedule.step(target=labels, losses=losses)
+        tied.all_reduce_grad()  # then clip and step the optimizer
 
     Args:
         model: the causal LM to split, in training or eval mode.
         num_stages: number of stages, from 1 to the number of decoder layers.
-        untie_word_embeddings: give the last stage a copy of a tied ``lm_head`` instead of raising.
+        untie_word_embeddings: give the last stage a copy of a tied ``lm_head`` instead of sharing the embedding.
         boundary_dtype: the dtype the streams cross the stage boundaries in, e.g. ``torch.bfloat16`` for a float32
             model trained under bf16 autocast: half the bytes of float32. Default: the stages' own stream dtype
             (that of the backbone weights), uncast.
@@ -385,13 +400,11 @@ def split_pipeline(
         raise TypeError(f"split_pipeline needs an MHCForCausalLM (it ends in logits); got {type(model).__name__}.")
     splits = pipeline_layer_split(len(model.model.layers), num_stages)
     lm_head = model.lm_head
-    if num_stages > 1 and lm_head.weight is model.model.embed_tokens.weight:
-        if not untie_word_embeddings:
-            raise ValueError(
-                f"lm_head is tied to embed_tokens, which sit on different stages: call split_pipeline(model, "
-                f"{num_stages}, untie_word_embeddings=True) to give the last stage its own copy of lm_head."
-            )
+    tied = num_stages > 1 and lm_head.weight is model.model.embed_tokens.weight
+    if tied:  # the last stage's copy; torch's zero-bubble schedules mishandle one parameter in two stages of a rank
         lm_head = copy.deepcopy(lm_head)
+        tied = not untie_word_embeddings
+    ends = (0, num_stages - 1)
     return [
         MHCPipelineStageModule(
             model,
@@ -400,6 +413,50 @@ def split_pipeline(
             num_stages=num_stages,
             lm_head=lm_head if index == num_stages - 1 else None,
             boundary_dtype=boundary_dtype,
+            holds_tied_embedding=tied and index in ends,
         )
         for index, layer_indices in enumerate(splits)
     ]
+
+
+class TiedEmbeddingSync:
+    """The two copies of a tied word embedding in a model split by :func:`split_pipeline`, kept equal.
+
+    The first stage uses the weight as ``embed_tokens``, the last stage its copy as ``lm_head``; each copy's gradient
+    covers only its own use. :meth:`all_reduce_grad` gives both the sum, over a process group of the two ranks when
+    different ranks hold them (one all-reduce, as Megatron-LM does), locally when one rank holds both (DualPipeV's V
+    shape, or every stage in one process), so both take the same optimizer step and stay bit-equal. An untied model
+    (or one kept in one stage) has nothing to keep.
+
+    Build it on every rank (``torch.distributed.new_group`` is collective) from every stage module
+    :func:`split_pipeline` returned, before dropping the ones this rank does not run; ``stage_ranks[s]`` is the rank
+    that runs stage ``s``. Call :meth:`all_reduce_grad` on every rank after each backward, before clipping and the
+    optimizer step. A gradient norm counts the weight once: not the last stage's copy (:attr:`duplicate`).
+    """
+
+    def __init__(self, stages: list[MHCPipelineStageModule], stage_ranks: list[int]):
+        import torch.distributed as dist
+
+        if len(stages) != len(stage_ranks):
+            raise ValueError(f"TiedEmbeddingSync needs the rank of each of the {len(stages)} stages; got "
+                             f"stage_ranks={stage_ranks}.")
+        rank = dist.get_rank() if dist.is_initialized() else stage_ranks[0]
+        first, last = stage_ranks[0], stage_ranks[-1]
+        tied = stages[0].tied_embedding is not None
+        # This rank's copies: the embedding of the first stage, the lm_head of the last (either, both or none).
+        self.copies: list[nn.Parameter] = [stage.tied_embedding for stage, holder in ((stages[0], first),
+                                           (stages[-1], last)) if tied and holder == rank]
+        self.duplicate: nn.Parameter | None = stages[-1].tied_embedding if tied and rank == last else None
+        self.group = dist.new_group([first, last]) if tied and first != last else None
+
+    def all_reduce_grad(self) -> None:
+        """Give both copies of the embedding the sum of their gradients (a no-op on a rank without a copy)."""
+        import torch.distributed as dist
+
+        if not self.copies:
+            return
+        total = sum(weight.grad if weight.grad is not None else torch.zeros_like(weight) for weight in self.copies)
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+        for index, weight in enumerate(self.copies):
+            weight.grad = total if index == 0 else total.clone()

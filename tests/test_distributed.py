@@ -31,7 +31,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers_suite import run_distributed
 
 from hf_mhc import MHCConfig, MHCForCausalLM, MHCModel
-from hf_mhc.distributed import apply_fsdp2, pipeline_layer_split, split_pipeline
+from hf_mhc.distributed import TiedEmbeddingSync, apply_fsdp2, pipeline_layer_split, split_pipeline
+
+assert_close_to_scale = import_script(WORKERS / "tolerances.py").assert_close_to_scale
 
 needs_distributed = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -226,22 +228,38 @@ def test_more_stages_than_layers_is_a_one_line_error():
         split_pipeline(MHCModel(tiny_mhc(num_layers=2).config), 1)
 
 
-def test_tied_embeddings_raise_or_give_the_last_stage_its_own_lm_head():
-    model = tiny_mhc(num_layers=2, tie_word_embeddings=True)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    with pytest.raises(ValueError, match=r"call split_pipeline\(model, 2, untie_word_embeddings=True\)") as error:
-        split_pipeline(model, 2)
-    assert "\n" not in str(error.value)
-    single = split_pipeline(model, 1)[0]
-    assert single.lm_head.weight is single.model.embed_tokens.weight  # one stage keeps the tie
-
-    first, last = split_pipeline(model, 2, untie_word_embeddings=True)
-    assert last.lm_head.weight is not model.model.embed_tokens.weight
-    assert torch.equal(last.lm_head.weight, model.model.embed_tokens.weight)
-    assert model.lm_head.weight is model.model.embed_tokens.weight  # the source model stays tied
+def test_tied_embeddings_stay_tied_across_stages_or_untie_on_request():
+    """The first stage holds the weight, the last a copy; ``TiedEmbeddingSync`` gives both the sum of their
+    gradients (here all stages run in one process: a local sum), so they take the same step."""
+    model = tiny_mhc(num_layers=3, tie_word_embeddings=True)
+    embedding = model.model.embed_tokens.weight
+    assert model.lm_head.weight is embedding
+    stages = split_pipeline(model, 3)
+    first, middle, last = stages
+    assert first.tied_embedding is embedding and middle.tied_embedding is None
+    assert last.tied_embedding is last.lm_head.weight and last.tied_embedding is not embedding
+    assert torch.equal(last.tied_embedding, embedding)
+    tied = TiedEmbeddingSync(stages, stage_ranks=[0, 0, 0])
+    assert tied.copies == [first.tied_embedding, last.tied_embedding] and tied.duplicate is last.tied_embedding
     input_ids = torch.randint(3, VOCAB, (2, 7))
+    logits = last(middle(first(input_ids)))
+    torch.testing.assert_close(logits, model(input_ids).logits)
+    logits.square().mean().backward()
+    tied.all_reduce_grad()
+    stage_gradients = first.tied_embedding.grad.clone(), last.tied_embedding.grad.clone()
+    model.zero_grad()
+    model(input_ids).logits.square().mean().backward()  # the full model's: the sum of both uses
+    assert torch.equal(*stage_gradients)
+    assert_close_to_scale(stage_gradients[0], embedding.grad, rtol=1e-5, name="tied gradient")
+    assert split_pipeline(model, 1)[0].tied_embedding is None  # one stage: the tie needs no copy
+
+    untied_first, untied_last = split_pipeline(model, 2, untie_word_embeddings=True)
+    assert untied_last.lm_head.weight is not embedding and torch.equal(untied_last.lm_head.weight, embedding)
+    assert untied_first.tied_embedding is None and untied_last.tied_embedding is None
+    assert TiedEmbeddingSync([untied_first, untied_last], stage_ranks=[0, 0]).copies == []
+    assert model.lm_head.weight is embedding  # the source model stays tied
     with torch.no_grad():
-        torch.testing.assert_close(last(first(input_ids)), model(input_ids).logits)
+        torch.testing.assert_close(untied_last(untied_first(input_ids)), model(input_ids).logits)
 
 
 # --- the torchrun examples ------------------------------------------------------------------------------------------

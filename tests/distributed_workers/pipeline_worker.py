@@ -2,10 +2,13 @@
 
 For each SCHEDULE in turn, every rank
 
-1. builds the same model as a one-process reference, runs one training step of that schedule on its stage(s) of
-   ``split_pipeline`` and checks the loss, the logits and the gradients of its parameters against the reference. No
-   optimizer step is taken, so all three are float32 sums in another order (per microbatch, then accumulated),
-   compared to ``FLOAT32_RTOL`` of each tensor's largest entry;
+1. builds the same tied model (``lm_head.weight is embed_tokens.weight``) as a one-process reference, runs one
+   training step of that schedule on its stage(s) of ``split_pipeline``, sums the tied embedding's gradient over the
+   ranks of the first and the last stage (``TiedEmbeddingSync``) and checks the loss, the logits and the gradients of
+   its parameters against the reference. No optimizer step is taken, so all three are float32 sums in another order
+   (per microbatch, then accumulated), compared to ``FLOAT32_RTOL`` of each tensor's largest entry. Then it takes
+   ``STEPS`` AdamW steps, the reference too: after every step the two copies of the tied embedding are bit-equal, and
+   at the end every parameter is within what AdamW's steps allow of the reference's;
 2. runs ``examples/pipeline_finetune.py`` (its ``main``, in this launch's process group) with the options in
    ``WORK/finetune_args.json`` (which save a checkpoint at step 2), saving to ``WORK/SCHEDULE``.
 
@@ -26,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from conftest import VOCAB, import_script, tiny_backbone_config  # noqa: E402
-from tolerances import FLOAT32_RTOL, assert_close_to_scale, gradient_atol  # noqa: E402
+from tolerances import FLOAT32_RTOL, adamw_parameter_atol, assert_close_to_scale, gradient_atol  # noqa: E402
 from torch.distributed.pipelining import (  # noqa: E402
     PipelineStage,
     Schedule1F1B,
@@ -36,11 +39,12 @@ from torch.distributed.pipelining import (  # noqa: E402
 )
 
 from hf_mhc import MHCConfig, MHCForCausalLM  # noqa: E402
-from hf_mhc.distributed import split_pipeline  # noqa: E402
+from hf_mhc.distributed import TiedEmbeddingSync, split_pipeline  # noqa: E402
 
 NUM_LAYERS = 4
 N_MICROBATCHES = 4
 BATCH, LENGTH = 8, 10
+STEPS, LR = 3, 1e-3  # AdamW steps after the gradient check
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pipeline_finetune.py"
 
 
@@ -66,55 +70,97 @@ def build_schedule(name: str, rank: int, world_size: int, stage_modules: list) -
     return schedule_class(stages, N_MICROBATCHES, loss_fn=shifted_cross_entropy), local
 
 
+def stage_ranks(name: str, world_size: int) -> list[int]:
+    """The rank running each stage (inverse of :func:`build_schedule`'s placement)."""
+    if name in ("gpipe", "1f1b"):
+        return list(range(world_size))
+    if name == "interleaved1f1b":
+        return [stage % world_size for stage in range(2 * world_size)]
+    return [*range(world_size), *reversed(range(world_size))]  # dualpipev
+
+
 def check_schedule(schedule_name: str, rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     config = MHCConfig(
-        backbone_config=tiny_backbone_config("llama", num_hidden_layers=NUM_LAYERS),
+        backbone_config=tiny_backbone_config("llama", num_hidden_layers=NUM_LAYERS, tie_word_embeddings=True),
         hc_mult=3,
         hc_init="deepseek_v4",  # random HC maps: every coefficient is token-dependent
     )
     model = MHCForCausalLM(config).train()
     reference = MHCForCausalLM(config).train()
     reference.load_state_dict(model.state_dict())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     input_ids = torch.randint(3, VOCAB, (BATCH, LENGTH))
 
-    reference_logits = reference(input_ids).logits
-    reference_loss = shifted_cross_entropy(reference_logits, input_ids)
-    reference_loss.backward()
+    def reference_step() -> tuple[torch.Tensor, torch.Tensor]:
+        logits = reference(input_ids).logits
+        loss = shifted_cross_entropy(logits, input_ids)
+        loss.backward()
+        return logits, loss
+
+    reference_logits, reference_loss = reference_step()
 
     num_stages = world_size if schedule_name in ("gpipe", "1f1b") else 2 * world_size
     stage_modules = split_pipeline(model, num_stages)
+    tied = TiedEmbeddingSync(stage_modules, stage_ranks(schedule_name, world_size))
     schedule, local_stages = build_schedule(schedule_name, rank, world_size, stage_modules)
     holds_first, holds_last = 0 in local_stages, num_stages - 1 in local_stages
-    losses: list[torch.Tensor] = []
-    step_kwargs = {"target": input_ids, "losses": losses} if holds_last else {}
-    output = schedule.step(input_ids, **step_kwargs) if holds_first else schedule.step(**step_kwargs)
 
+    def pipelined_step() -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        losses: list[torch.Tensor] = []
+        step_kwargs = {"target": input_ids, "losses": losses} if holds_last else {}
+        output = schedule.step(input_ids, **step_kwargs) if holds_first else schedule.step(**step_kwargs)
+        tied.all_reduce_grad()
+        return losses, output
+
+    losses, output = pipelined_step()
     if holds_last:
         assert len(losses) == N_MICROBATCHES, losses
         assert_close_to_scale(torch.stack(losses).mean(), reference_loss, rtol=FLOAT32_RTOL, name="loss")
         assert_close_to_scale(output, reference_logits, rtol=FLOAT32_RTOL, name="logits")
 
-    reference_parameters = dict(reference.named_parameters())
+    reference_parameters = dict(reference.named_parameters())  # the tied weight once, as model.embed_tokens.weight
     atol = gradient_atol([parameter.grad for parameter in reference_parameters.values()])
-    local_names, worst = [], 0.0  # worst: the largest fraction of its tolerance a gradient used
-    for index in local_stages:
-        for name, parameter in stage_modules[index].named_parameters():
-            local_names.append(name)
-            assert parameter.grad is not None, f"stage {index}: {name} got no gradient"
-            used = assert_close_to_scale(parameter.grad, reference_parameters[name].grad, rtol=FLOAT32_RTOL,
-                                         atol=atol, name=f"stage {index}: {name}.grad")
-            worst = max(worst, used)
+    # This rank's parameters by the reference's name: a copy of the tied embedding is model.embed_tokens.weight.
+    local: list[tuple[str, torch.nn.Parameter]] = [
+        ("model.embed_tokens.weight" if parameter is stage_modules[index].tied_embedding else name, parameter)
+        for index in local_stages for name, parameter in stage_modules[index].named_parameters()]
+    worst = 0.0  # the largest fraction of its tolerance a gradient used
+    for name, parameter in local:
+        assert parameter.grad is not None, f"{name} got no gradient"
+        used = assert_close_to_scale(parameter.grad, reference_parameters[name].grad, rtol=FLOAT32_RTOL, atol=atol,
+                                     name=f"{name}.grad")
+        worst = max(worst, used)
 
     gathered: list[tuple[list[str], float]] = [([], 0.0) for _ in range(world_size)]
-    dist.all_gather_object(gathered, (local_names, worst))
+    dist.all_gather_object(gathered, ([name for name, _ in local], worst))
     all_names = [name for names, _ in gathered for name in names]
-    assert len(all_names) == len(set(all_names)), "a parameter lives on two stages"
     assert set(all_names) == set(reference_parameters), set(reference_parameters) ^ set(all_names)
+    assert all_names.count("model.embed_tokens.weight") == 2, "the first and the last stage each hold a copy"
+    assert len(all_names) == len(set(all_names)) + 1, "a parameter other than the embedding lives on two stages"
+
+    # AdamW steps: the copies of the tied embedding on the first and the last stage stay bit-equal.
+    optimizer = torch.optim.AdamW([parameter for _, parameter in local], lr=LR)
+    reference_optimizer = torch.optim.AdamW(reference_parameters.values(), lr=LR)
+    for step in range(STEPS):
+        optimizer.step()
+        reference_optimizer.step()
+        copies: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+        dist.all_gather_object(copies, [weight.detach().clone() for weight in tied.copies])
+        held = [weight for rank_copies in copies for weight in rank_copies]
+        assert len(held) == 2 and torch.equal(held[0], held[1]), f"step {step + 1}: the tied copies differ"
+        if step + 1 < STEPS:
+            optimizer.zero_grad(set_to_none=True)
+            reference_optimizer.zero_grad(set_to_none=True)
+            reference_step()
+            pipelined_step()
+    for name, parameter in local:
+        assert_close_to_scale(parameter, reference_parameters[name], rtol=FLOAT32_RTOL,
+                              atol=adamw_parameter_atol(LR, STEPS), name=f"{name} after {STEPS} steps")
     if rank == 0:
         worst = max(used for _, used in gathered)
-        print(f"{schedule_name}: loss {reference_loss.item():.6f}, {len(all_names)} parameters match "
-              f"(at most {worst:.1%} of the tolerance)")
+        print(f"{schedule_name}: loss {reference_loss.item():.6f}, {len(set(all_names))} parameters match "
+              f"(at most {worst:.1%} of the tolerance); tied copies bit-equal after each of {STEPS} steps")
 
 
 def run_example(work: Path, output: str, *extra: str) -> None:
