@@ -106,8 +106,9 @@ def _zero3_partitioned(model: torch.nn.Module) -> bool:
 
 
 def _gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full state dict of a ZeRO-3 model: each parameter gathered in turn (read-only, so DeepSpeed
-    re-partitions it unchanged), copied, and released, so that at most one full parameter is gathered at a time."""
+    """The full state dict of a ZeRO-3 model, copied: each parameter gathered in turn (read-only, so DeepSpeed
+    re-partitions it unchanged). Every rank then holds the whole source once, as upcycling an unpartitioned model
+    does; only one parameter is gathered at a time."""
     import deepspeed
 
     gathered = {}
