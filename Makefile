@@ -6,8 +6,14 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hf-mhc-installed
 TORCH_CPU ?= torch==2.13.0
+# DeepSpeed for tests/test_deepspeed.py only: transformers behaves differently in a process that can import DeepSpeed,
+# so it goes to a folder of its own that only the test's rank processes get on their PYTHONPATH, never into the venv.
+# Its other requirements (torch, numpy, packaging, psutil, pydantic, tqdm, ninja) come with the venv.
+DEEPSPEED_SITE  := $(VENV)/deepspeed-site
+DEEPSPEED_STAMP := $(DEEPSPEED_SITE)/.installed
+DEEPSPEED       ?= deepspeed==0.19.8
 
-.PHONY: demo test test-other-cpu lint docs install
+.PHONY: demo test test-other-cpu lint docs install deepspeed
 
 install: $(STAMP)
 
@@ -17,12 +23,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e ".[dev,docs]"
 	touch $(STAMP)
 
+deepspeed: $(DEEPSPEED_STAMP)
+
+# The import check also JIT-builds DeepSpeed's shared-memory CPU op (once, into the torch extensions cache), which
+# every process group it starts on CPU loads.
+$(DEEPSPEED_STAMP): | $(STAMP)
+	$(PY) -m pip install --target $(DEEPSPEED_SITE) --no-deps --upgrade "$(DEEPSPEED)" einops hjson msgpack py-cpuinfo
+	cd $(DEEPSPEED_SITE) && PYTHONPATH=. $(abspath $(PY)) -c "import pydantic, psutil, deepspeed; \
+	from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
+	touch $(DEEPSPEED_STAMP)
+
 demo: $(STAMP)
 	$(PY) examples/quickstart.py --overwrite
 
 # pytest and ruff run from the venv, not `python -m`, which would put the repo root on sys.path
 # and let the top-level kernels/ folder shadow the `kernels` package that transformers imports.
-test: $(STAMP)
+test: $(STAMP) $(DEEPSPEED_STAMP)
 	$(VENV)/bin/ruff check .
 	$(MAKE) docs
 	$(VENV)/bin/pytest -q
@@ -34,7 +50,7 @@ docs: $(STAMP)
 
 # The suite on other CPU kernels of this machine: MKL's SSE4.2 path and torch's AVX2 kernels, as another x86 CPU would
 # take them (tolerances must hold on any of them).
-test-other-cpu: $(STAMP)
+test-other-cpu: $(STAMP) $(DEEPSPEED_STAMP)
 	MKL_ENABLE_INSTRUCTIONS=SSE4_2 ATEN_CPU_CAPABILITY=avx2 $(VENV)/bin/pytest -q
 
 lint: $(STAMP)

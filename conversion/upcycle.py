@@ -45,7 +45,11 @@ def upcycle(model: PreTrainedModel | str | os.PathLike, hc_mult: int = 4, residu
 
     Returns:
         An :class:`MHCForCausalLM` on the source's device, backbone weights in the source's dtype, HC weights in
-        float32, whose logits equal the source's up to ``hc_eps``.
+        float32, whose logits equal the source's up to ``hc_eps``. A source partitioned by DeepSpeed ZeRO-3 (loaded
+        by ``from_pretrained`` under ``zero.Init``, i.e. after a ``TrainingArguments`` with a stage-3 config) is
+        gathered one parameter at a time, and the mHC model is partitioned the same way (``deepspeed.zero.Init``
+        with the active config, which sets the dtype of every parameter, HC ones included); the source stays
+        partitioned.
     """
     check_hc_options(hc_options, "upcycle")
     if hc_options.setdefault("hc_residual_map", residual_map) != residual_map and residual_map != "sinkhorn":
@@ -58,7 +62,8 @@ def upcycle(model: PreTrainedModel | str | os.PathLike, hc_mult: int = 4, residu
     config = mhc_config_for(model.config, hc_mult=hc_mult, **hc_options)
     config._attn_implementation = model.config._attn_implementation
     config._experts_implementation = getattr(model.config, "_experts_implementation", None)
-    source_state = model.state_dict()
+    partitioned = _zero3_partitioned(model)
+    source_state = _gathered_state_dict(model) if partitioned else model.state_dict()
     with torch.device("meta"):  # no memory and no random initialisation: every tensor is assigned below
         mhc_model = MHCForCausalLM(config)
     expected = {name for name in mhc_model.state_dict() if not is_hc_parameter(name)}
@@ -89,4 +94,45 @@ def upcycle(model: PreTrainedModel | str | os.PathLike, hc_mult: int = 4, residu
         raise RuntimeError(f"upcycle left tensors without data: {still_meta[:5]}; please report this as a bug.")
     mhc_model.generation_config = copy.deepcopy(model.generation_config)
     mhc_model.train(model.training)
+    if partitioned:
+        _zero3_partition(mhc_model, dtype)
     return mhc_model
+
+
+def _zero3_partitioned(model: torch.nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 holds ``model``'s parameters as partitions (``ds_id`` on each; their ``data`` is
+    empty outside ``deepspeed.zero.GatheredParameters``)."""
+    return any(hasattr(parameter, "ds_id") for parameter in model.parameters())
+
+
+def _gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict of a ZeRO-3 model, copied: each parameter gathered in turn (read-only, so DeepSpeed
+    re-partitions it unchanged). Every rank then holds the whole source once, as upcycling an unpartitioned model
+    does; only one parameter is gathered at a time."""
+    import deepspeed
+
+    gathered = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for name, parameter in module.named_parameters(recurse=False):
+            with deepspeed.zero.GatheredParameters([parameter], modifier_rank=None):
+                gathered[prefix + name] = parameter.detach().clone()
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                gathered[prefix + name] = buffer
+    return gathered
+
+
+def _zero3_partition(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Partition ``model`` in place as ``from_pretrained`` under ZeRO-3 would have: every parameter in ``dtype``
+    (the dtype ``zero.Init`` gave the source's parameters: bfloat16 with DeepSpeed's ``bf16`` enabled, which casts
+    the HC parameters too, as its engine does; float32 otherwise), then ``deepspeed.zero.Init`` on the allocated
+    module, with transformers' active DeepSpeed config when there is one."""
+    import deepspeed
+    from transformers.integrations.deepspeed import deepspeed_config, is_deepspeed_zero3_enabled
+
+    for parameter in model.parameters():
+        if parameter.is_floating_point() and parameter.dtype != dtype:
+            parameter.data = parameter.data.to(dtype)
+    config = deepspeed_config() if is_deepspeed_zero3_enabled() else None
+    deepspeed.zero.Init(module=model, config_dict_or_path=config)

@@ -508,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
         lr_scheduler_type="cosine",
         weight_decay=args.weight_decay,
         bf16=args.bf16,
+        # On a machine without an accelerator say so: bf16 on CPU needs it, and so does DeepSpeed on CPU ranks
+        # (without it transformers' DeepSpeed setup sees one process on each rank, which then train on the same rows).
+        use_cpu=not torch.accelerator.is_available(),
         **{CHECKPOINTING_FIELD: args.gradient_checkpointing},
         logging_steps=args.logging_steps,
         save_strategy="steps" if args.save_steps else "no",
@@ -577,7 +580,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{f', {len(eval_set)} held out' if eval_set is not None else ''}")
         if checkpoint is not None:
             print(f"resuming from {checkpoint}{skipped}")
-    eval_before = trainer.evaluate()["eval_loss"] if eval_set is not None else None
+    # Under DeepSpeed, Trainer.evaluate before Trainer.train leaves Accelerate without the training engine
+    # ("'NoneType' object has no attribute 'backward'" in transformers 5.24): the held-out loss is measured after only.
+    evaluate_first = eval_set is not None and not trainer.is_deepspeed_enabled
+    eval_before = trainer.evaluate()["eval_loss"] if evaluate_first else None
     trainer.train(resume_from_checkpoint=checkpoint)
     eval_after = trainer.evaluate()["eval_loss"] if eval_set is not None else None
 
@@ -596,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         if eval_before is not None:
             print(f"held-out loss {eval_before:.4f} -> {eval_after:.4f} "
                   f"(perplexity {perplexity(eval_before):.2f} -> {perplexity(eval_after):.2f})")
+        elif eval_after is not None:
+            print(f"held-out loss {eval_after:.4f} (perplexity {perplexity(eval_after):.2f})")
         if stability is not None:
             scalars = stability.last_scalars
             print(f"mHC stability at the end: composite forward gain {scalars['mhc/composite_forward_gain']:.6f}, "

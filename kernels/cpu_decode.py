@@ -178,22 +178,32 @@ def _(streams, hc_fn, hc_base, hc_scale, eps, norm_eps):
     return streams.new_empty(_token_shape(streams, streams.shape[-1]))
 
 
+def _autocast_off() -> torch.autocast:
+    """The kernels compute in the tensors' own dtypes, like the torch path (which turns autocast off for the HC math):
+    under CPU autocast (e.g. ``Trainer.evaluate`` with bf16 on CPU) the aten ops they call would otherwise return
+    bfloat16 where they expect float32."""
+    return torch.autocast("cpu", enabled=False)
+
+
 def coeffs_pre(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, post, comb)`` of ``cpu_decode.cpp``'s ``coeffs_pre`` (its arguments); the custom op under compile."""
     if torch.compiler.is_compiling():
         return _coeffs_pre_op(*args)
-    return extension().coeffs_pre(*args)
+    with _autocast_off():
+        return extension().coeffs_pre(*args)
 
 
 def post_res(*args) -> torch.Tensor:
     """The new streams of ``cpu_decode.cpp``'s ``post_res`` (its arguments); the custom op under compile."""
     if torch.compiler.is_compiling():
         return _post_res_op(*args)
-    return extension().post_res(*args)
+    with _autocast_off():
+        return extension().post_res(*args)
 
 
 def head(*args) -> torch.Tensor:
     """``y`` of ``cpu_decode.cpp``'s ``head`` (its arguments); the custom op under compile."""
     if torch.compiler.is_compiling():
         return _head_op(*args)
-    return extension().head(*args)
+    with _autocast_off():
+        return extension().head(*args)

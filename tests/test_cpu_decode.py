@@ -122,6 +122,21 @@ def test_dispatch_takes_the_fast_path_only_without_grad(counted, monkeypatch):
     monkeypatch.delenv(cpu_decode.ENV_SWITCH)
 
 
+def test_the_fast_path_runs_under_cpu_autocast_as_the_torch_path(counted, monkeypatch):
+    """A no-grad forward under CPU bf16 autocast (``Trainer.evaluate`` with bf16 on CPU ranks, as DeepSpeed's bf16
+    mode runs it) takes the fast path, whose kernels compute in the tensors' dtypes as the torch path does (which turns
+    autocast off for the HC math): the same logits, bit for bit here (measured), compared to one bf16 step."""
+    config = hf_mhc.MHCConfig(backbone_config=tiny_backbone_config("llama"), hc_mult=3, hc_init="deepseek_v4")
+    model = hf_mhc.MHCForCausalLM(config).eval()
+    ids = torch.randint(3, 90, (2, 5))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = model(ids).logits
+        assert counted["coeffs_pre"] > 0
+        monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+        expected = model(ids).logits
+    assert (fast.float() - expected.float()).abs().max() <= 2.0**-8 * expected.float().abs().max()
+
+
 @pytest.mark.parametrize("residual_map", ["sinkhorn", "identity"])
 def test_compiled_decode_calls_the_kernels_through_their_custom_ops(counted, monkeypatch, residual_map):
     """Under ``torch.compile(fullgraph=True)`` a no-grad site traces to the ``hf_mhc::cpu_decode_*`` ops, whose run

@@ -131,13 +131,16 @@ def test_accelerate_configs_are_valid_and_wrap_the_mhc_decoder_layer():
     from accelerate.commands.config.config_args import load_config_from_file
 
     configs = {path.stem: load_config_from_file(str(path)) for path in ACCELERATE_CONFIGS.glob("*.yaml")}
-    assert set(configs) == {"single_process", "multi_gpu_ddp", "fsdp2"}
+    assert set(configs) == {"single_process", "multi_gpu_ddp", "fsdp2", "deepspeed_zero3"}
     assert configs["single_process"].distributed_type == "NO"
     assert configs["multi_gpu_ddp"].distributed_type == "MULTI_GPU"
     fsdp = configs["fsdp2"]
     assert fsdp.distributed_type == "FSDP" and fsdp.fsdp_config["fsdp_version"] == 2
     assert fsdp.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
     assert fsdp.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == hf_mhc.MHCDecoderLayer.__name__
+    zero3 = configs["deepspeed_zero3"]  # run on two CPU ranks by tests/test_deepspeed.py
+    assert zero3.distributed_type == "DEEPSPEED" and zero3.deepspeed_config["zero_stage"] == 3
+    assert zero3.deepspeed_config["zero3_save_16bit_model"] and zero3.mixed_precision == "bf16"
 
 
 @pytest.fixture(scope="module")
