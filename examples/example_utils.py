@@ -51,7 +51,7 @@ def seed(value: str) -> int:
 
 # The options several examples take, defined once. "default" is the value when a script gives none; a script gives its
 # own only where the option means the same but its scale differs (--steps, --block-size); help may name it as {default}.
-SHARED_OPTIONS: dict[str, dict] = {
+EXAMPLE_OPTIONS: dict[str, dict] = {
     "--seed": dict(type=seed, default=0, help="seed of the random number generators and the data order (default 0)"),
     "--hc-mult": dict(**CLI_OPTIONS["--hc-mult"], default=None,
                       help=f"residual streams n of the upcycled model (default {DEFAULT_HC_MULT})"),
@@ -64,12 +64,12 @@ SHARED_OPTIONS: dict[str, dict] = {
 }
 
 
-def add_shared_option(group: argparse._ActionsContainer, flag: str, **script_default) -> None:
-    """Add the :data:`SHARED_OPTIONS` definition of ``flag`` to ``group`` (a parser or an argument group);
+def add_example_option(group: argparse._ActionsContainer, flag: str, **script_default) -> None:
+    """Add the :data:`EXAMPLE_OPTIONS` definition of ``flag`` to ``group`` (a parser or an argument group);
     ``default=`` gives the script's own default where the definition has none."""
-    if set(script_default) - {"default"} or script_default.keys() & SHARED_OPTIONS[flag].keys():
+    if set(script_default) - {"default"} or script_default.keys() & EXAMPLE_OPTIONS[flag].keys():
         raise ValueError(f"{flag} has one definition: only a default it lacks may be given, not {script_default}")
-    options = {**SHARED_OPTIONS[flag], **script_default}
+    options = {**EXAMPLE_OPTIONS[flag], **script_default}
     options["help"] = options["help"].format(default=options.get("default"))
     group.add_argument(flag, **options)
 

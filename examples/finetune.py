@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # example_utils, also 
 from example_utils import (  # noqa: E402
     JANEAUSTEN,
     STORIES260K,
-    add_shared_option,
+    add_example_option,
     checkpoint_folders,
     checkpoint_step,
     checkpoint_to_resume,
@@ -126,20 +126,19 @@ def mhc_code_files() -> set[str]:
     return {Path(file).name for module in modules for file in (module, *get_relative_import_files(module))}
 
 
-
 def add_model_and_data_arguments(parser: argparse.ArgumentParser, block_size: int):
     """The "model" and "data" option groups this script shares with ``pipeline_finetune.py``; returns both groups."""
     model = parser.add_argument_group("model")
     model.add_argument("--model", help="mHC checkpoint (or residual one with --upcycle): folder or Hub id")
     model.add_argument("--tokenizer", help="tokenizer folder or Hub id (default: --model)")
     model.add_argument("--upcycle", action="store_true", help="convert a residual checkpoint to mHC on the fly")
-    add_shared_option(model, "--hc-mult")
+    add_example_option(model, "--hc-mult")
     data = parser.add_argument_group("data")
     data.add_argument("--dataset", help="Hub dataset id or local files / glob (default: see above)")
     data.add_argument("--dataset-config", help="Hub dataset configuration name")
     data.add_argument("--split", default="train", help="Hub dataset split (default train)")
     data.add_argument("--text-column", default="text", help="column holding the text (default text)")
-    add_shared_option(data, "--block-size", default=block_size)
+    add_example_option(data, "--block-size", default=block_size)
     return model, data
 
 
@@ -149,15 +148,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     data.add_argument("--max-train-blocks", type=int, default=None, help="use at most this many training blocks")
     data.add_argument("--eval-blocks", type=int, default=32, help="held-out blocks for the eval loss (0: none)")
     train = parser.add_argument_group("training")
-    add_shared_option(train, "--steps", default=100)
+    add_example_option(train, "--steps", default=100)
     train.add_argument("--batch-size", type=int, default=8, help="sequences per device per step (default 8)")
     train.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
     train.add_argument("--lr", type=float, default=None, help="peak learning rate (default 5e-4, 2e-3 with --lora)")
-    add_shared_option(train, "--warmup-steps")
-    add_shared_option(train, "--weight-decay")
+    add_example_option(train, "--warmup-steps")
+    add_example_option(train, "--weight-decay")
     train.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast, float32 master weights)")
     train.add_argument("--gradient-checkpointing", action="store_true")
-    add_shared_option(train, "--seed")
+    add_example_option(train, "--seed")
     train.add_argument("--output-dir", default="outputs/finetune",
                        help="new or empty folder for the model or adapter (default outputs/finetune)")
     train.add_argument("--overwrite", action="store_true",
@@ -165,7 +164,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     train.add_argument("--save-steps", type=int, default=50,
                        help="save a Trainer checkpoint every N steps to OUTPUT_DIR/checkpoint-N (default 50; 0: none)")
     train.add_argument("--save-total-limit", type=int, default=2, help="checkpoints to keep (default 2)")
-    add_shared_option(train, "--resume")
+    add_example_option(train, "--resume")
     train.add_argument("--logging-steps", type=int, default=10, help="log the loss every N steps (default 10)")
     train.add_argument("--report-to", default="none", help="Trainer integrations: none, tensorboard, wandb, ...")
     lora = parser.add_argument_group("LoRA (hf_mhc.peft.mhc_lora_config: backbone projections + full HC maps)")

@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # example_utils, also when this file is imported by path
 
 import example_utils  # noqa: E402
-from example_utils import JANEAUSTEN, STORIES260K, add_shared_option  # noqa: E402
+from example_utils import JANEAUSTEN, STORIES260K, add_example_option  # noqa: E402
 
 import hf_mhc  # noqa: E402
 
@@ -51,11 +51,11 @@ def parse_args(
         extra_options(parser)
     parser.add_argument("--model", help="an mHC folder (default: see above)")
     parser.add_argument("--dataset", help="local .txt files, a path or a glob (default: see above)")
-    add_shared_option(parser, "--steps", default=20)
+    add_example_option(parser, "--steps", default=20)
     parser.add_argument("--batch-size", type=int, default=4, help=batch_help)
-    add_shared_option(parser, "--block-size", default=64)
+    add_example_option(parser, "--block-size", default=64)
     parser.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (default 5e-4)")
-    add_shared_option(parser, "--seed")
+    add_example_option(parser, "--seed")
     parser.add_argument("--output-dir", required=True, help="where rank 0 saves the trained mHC folder")
     parser.add_argument("--overwrite", action="store_true", help="save into a non-empty --output-dir")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 compute for the backbone, float32 HC maps")

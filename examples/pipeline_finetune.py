@@ -74,7 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers of finet
 
 import example_utils  # noqa: E402
 import finetune  # noqa: E402  (dataset loading, the --model / --output-dir checks)
-from example_utils import STATE_FILE, add_shared_option  # noqa: E402
+from example_utils import STATE_FILE, add_example_option  # noqa: E402
 from fsdp2_finetune import start_distributed  # noqa: E402
 
 import hf_mhc  # noqa: E402
@@ -97,22 +97,22 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     finetune.add_model_and_data_arguments(parser, block_size=64)
     train = parser.add_argument_group("training")
     train.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
-    add_shared_option(train, "--steps", default=20)
+    add_example_option(train, "--steps", default=20)
     train.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
     train.add_argument("--microbatches", type=int, default=2,
                        help="microbatches per step; must divide --batch-size (default 2)")
     train.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate (default 5e-4)")
-    add_shared_option(train, "--warmup-steps")
-    add_shared_option(train, "--weight-decay")
+    add_example_option(train, "--warmup-steps")
+    add_example_option(train, "--weight-decay")
     train.add_argument("--max-grad-norm", type=float, default=1.0,
                        help="clip the global gradient norm to this (default 1.0; 0: no clipping)")
-    add_shared_option(train, "--seed")
+    add_example_option(train, "--seed")
     train.add_argument("--output-dir", required=True, help="new or empty folder for the trained model")
     train.add_argument("--overwrite", action="store_true",
                        help="reuse the --output-dir of an earlier run: delete its results first")
     train.add_argument("--save-every", type=int, default=0,
                        help="save a checkpoint every N steps to OUTPUT_DIR/checkpoint-N (default 0: none)")
-    add_shared_option(train, "--resume")
+    add_example_option(train, "--resume")
     train.add_argument("--untie-word-embeddings", action="store_true",
                        help="give a tied lm_head its own copy of the embedding before training (default: keep it tied)")
     parser.set_defaults(lora=False)  # finetune.py's checks also serve its LoRA mode

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # example_utils, also 
 from example_utils import (  # noqa: E402
     JANEAUSTEN,
     STORIES260K,
-    add_shared_option,
+    add_example_option,
     clear_earlier_output,
     hc_mult_or_default,
     load_causal_lm,
@@ -158,13 +158,13 @@ def clear_earlier_run(out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="residual causal LM folder or Hub id (default: see above)")
-    add_shared_option(parser, "--hc-mult")
-    add_shared_option(parser, "--steps", default=60)
+    add_example_option(parser, "--hc-mult")
+    add_example_option(parser, "--steps", default=60)
     parser.add_argument("--pretrain-steps", type=int, default=300, help="steps for the on-the-spot default model")
     parser.add_argument("--output-dir", default="outputs/quickstart", help="where the mHC model is saved")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an earlier output in --output-dir (checkpoint files and trainer/ only)")
-    add_shared_option(parser, "--seed")
+    add_example_option(parser, "--seed")
     args = parser.parse_args(argv)
     for name in ("steps", "pretrain_steps"):
         if getattr(args, name) < 1:

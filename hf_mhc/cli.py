@@ -149,7 +149,7 @@ def _setup_convert(parser: argparse.ArgumentParser) -> None:
     add_shared_option(parser, "--hc-mult", default=DEFAULT_HC_MULT,
                       help=f"number of residual streams (default {DEFAULT_HC_MULT})")
     add_shared_option(
-        parser, "--residual-map", default="sinkhorn",
+        parser, "--residual-map", default=MHCConfig.hc_residual_map,
         help="how the streams are mixed: sinkhorn (mHC, default), unconstrained (Hyper-Connections), identity "
              "(unmixed, HY-V4), permutations (mHC-lite, hc-mult <= 4)",
     )

@@ -290,8 +290,8 @@ class MHCConfig(PreTrainedConfig):
     @property
     def base_model_fsdp_plan(self) -> dict[str, str] | None:
         """The backbone's FSDP2 plan, plus one unit per HC module (``layers.*.attn_hc``, ``layers.*.ffn_hc``,
-        ``hc_head``). The modeling code shards those itself, before transformers shards the rest, with a float32
-        policy (``modeling_mhc.shard_hyper_connections``): they stay float32 under ``fsdp_mixed_precision=True``."""
+        ``hc_head``). ``hf_mhc.distributed`` shards those itself, before transformers shards the rest, with a float32
+        policy (``distribute_with_transformers``): they stay float32 under ``fsdp_mixed_precision=True``."""
         plan = getattr(self.backbone_config, "base_model_fsdp_plan", None)
         if plan is None:
             return None
@@ -376,7 +376,6 @@ def check_hc_options(names: Iterable[str], owner: str, *, only_hc_prefixed: bool
         close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"{owner} got an unknown mHC option {name!r}{hint}; valid options: {', '.join(valid)}.")
-
 
 
 def check_attention_heads(config: PreTrainedConfig) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +88,7 @@ def inspect_main(argv: list[str] | None = None) -> int:
     try:
         return run_inspect(args)
     except BAD_INPUT_ERRORS as error:  # as hf-mhc's main: one line, no traceback
-        print(f"{INSPECT_PROG}: error: {first_line(error)}", file=sys.stderr)
-        return 1
+        return print_error("inspect", first_line(error))
 
 
 def run_inspect(args: argparse.Namespace) -> int:

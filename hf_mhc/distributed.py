@@ -244,8 +244,9 @@ def _stage_positions_and_masks(model: PreTrainedModel, cache, forward_kwargs: di
         build = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         mask_kwargs = dict(config=backbone, inputs_embeds=hidden, attention_mask=forward_kwargs.get("attention_mask"),
                            cache=cache, position_ids=position_ids)
-        updates["attention_mask"] = {kind: build[kind](**mask_kwargs, layer_idx=first)
-                                     for kind, first in first_layer.items()}
+        # A kind no layer of this stage has gets None: only the other stages' PipelineIdentityLayers receive it.
+        updates["attention_mask"] = {kind: build[kind](**mask_kwargs, layer_idx=first_layer[kind])
+                                     if kind in first_layer else None for kind in model.base_model.layer_types}
     return updates
 
 
@@ -320,6 +321,13 @@ class MHCPipelineStageModule(nn.Module):
         self.model = trunk
         self.lm_head = lm_head
         self.holds_tied_embedding = holds_tied_embedding
+        # The last stage runs the causal LM's own forward (head read-out, final norm, lm_head, logit scaling) through a
+        # copy of the model made of this stage's modules; held outside the module tree, which has them already.
+        self._causal_lm = None
+        if self.is_last:
+            causal_lm = copy.copy(model)
+            causal_lm._modules = {**causal_lm._modules, "model": trunk, "lm_head": lm_head}
+            object.__setattr__(self, "_causal_lm", causal_lm)
 
     @property
     def tied_embedding(self) -> nn.Parameter | None:
@@ -347,11 +355,14 @@ class MHCPipelineStageModule(nn.Module):
             raise ValueError(
                 f"Stage {self.stage_index} takes streams [B, T, n, C]; got a tensor of shape {tuple(inputs.shape)}."
             )
-        # The boundary_dtype cast is undone here; a no-op without it.
+        # The boundary_dtype cast is undone here; a no-op without it. No cache, and no outputs recorded by hooks: the
+        # layers are the full model's, whose own recording must not see a stage's.
         model_inputs = {"input_ids": inputs} if self.is_first else {"inputs_embeds": inputs.to(self.stream_dtype)}
-        if self.is_last:  # the causal LM's own forward: head read-out, final norm, lm_head, logit scaling
-            return MHCForCausalLM.forward(self, **model_inputs, use_cache=False).logits
-        streams = self.model(**model_inputs, use_cache=False).last_hidden_state  # hc_head and norm are identities
+        model_inputs.update(use_cache=False, output_hidden_states=False, output_attentions=False,
+                            output_router_logits=False)
+        if self.is_last:
+            return self._causal_lm(**model_inputs).logits
+        streams = self.model(**model_inputs).last_hidden_state  # hc_head and norm are identities
         return streams if self.boundary_dtype is None else streams.to(self.boundary_dtype)
 
 

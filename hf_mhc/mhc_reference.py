@@ -232,30 +232,12 @@ def _logit(p: float) -> float:
 
 
 def function_preserving_hc_base(config, sublayer_index: int) -> torch.Tensor:
-    """``base`` (the ``map_sizes`` layout of ``config.hc_residual_map``) of the function-preserving initialisation,
-    with ``fn = 0`` (so every map equals its static part).
-
-    Why the stream mean ``m = mean_i X[i]`` then follows the residual network, ``m <- m + F(m)``: the merge gives
-    ``mean_i X'[i] = mean(post) · y + (1/n) Σ_j (Σ_i comb[j, i]) X[j]``, and the collapse ``y = F(Σ_i pre[i] X[i])``.
-    With ``pre = 1/n`` the sublayer sees ``F(m)``; with ``mean(post) = 1`` and every row of ``comb`` summing to 1
-    the new mean is ``m + F(m)``. The streams start as copies of the embedding and the head averages them, so the
-    model computes its backbone. Per map:
-
-    - ``"sinkhorn"``: ``pre = 1/n`` exactly and ``comb_b = c·I``. A symmetric ``comb`` has equal row and column sums
-      ``s``, which the ``hc_eps`` terms of Sinkhorn make ``1 - O(hc_eps)``, so each site scales the stream mean by
-      ``s``. The ``post`` values of site ``k`` are ``s^(k+1) · 2σ(±j·δ)`` in pairs (``j = 1, 2, ...``; ``s^(k+1)``
-      alone for odd n): their mean ``s^(k+1)`` scales the sublayer output like the residual, so the stream mean after
-      site ``k`` is exactly ``s^(k+1)`` times the residual network's hidden state. Pre-norm sublayers and the final
-      norm cancel that uniform scale, so the model reproduces its backbone to float32 rounding rather than to
-      ``hc_eps · depth``.
-    - ``"unconstrained"``: ``pre_b = 1/n``, ``post_b = 2σ(±j·δ)`` (mean 1), ``comb_b = I``: exact.
-    - ``"identity"``: ``pre = 1/n`` as mHC, ``post = m·σ(post_b) + hc_eps = 2σ(±j·δ)`` (``m = hc_post_magnitude``),
-      ``comb = I``: exact.
-    - ``"permutations"``: ``pre`` and ``post`` as mHC (``post_b = ±j·δ``), ``comb_b`` zero but for the identity
-      permutation's weight, chosen so that ``comb``'s diagonal is that of ``softmax(c·I)`` (the mHC start); ``comb``
-      is a convex combination of permutation matrices, so its rows sum to 1 exactly: exact.
-
-    Distinct ``j·δ`` keep every stream different (identical streams would get identical gradients forever).
+    """``base`` (the ``map_sizes`` layout of ``config.hc_residual_map``, float32) of the function-preserving
+    initialisation of site ``sublayer_index`` (attention of layer ``l`` is ``2l``, its MLP ``2l + 1``), with ``fn = 0``:
+    ``pre = 1/n``, ``post`` in pairs ``2σ(±j·δ)`` of mean 1 (``s^(k+1)`` for ``"sinkhorn"``, whose ``comb_b = c·I``
+    has row sums ``s = 1 - O(hc_eps)``), and a ``comb`` whose rows sum to 1: the stream mean then follows the residual
+    network (the derivation is in the docs' math page). ``ValueError`` when ``hc_post_magnitude`` or
+    ``hc_init_comb_diag`` cannot give these values.
     """
     n, eps, residual_map = config.hc_mult, config.hc_eps, config.hc_residual_map
     half_post = torch.full((n,), 0.5, dtype=torch.float64)  # σ(±j·δ) in pairs, 0.5 for the odd one: mean 1/2
@@ -284,10 +266,9 @@ def function_preserving_hc_base(config, sublayer_index: int) -> torch.Tensor:
 
 
 def _identity_permutation_bias(config) -> torch.Tensor:
-    """``comb_b [n!]`` of the permutations map: ``b`` on the identity (the first permutation), 0 elsewhere. Then
-    ``comb = w·I + (1 - w)/(n! - 1) · ((n-1)!·J - I)`` (each entry is 1 in ``(n-1)!`` permutations) with
-    ``w = e^b / (e^b + n! - 1)``; ``b`` makes its diagonal ``d = e^c / (e^c + n - 1)``, the diagonal of mHC's start
-    ``softmax(c·I)`` (``c = hc_init_comb_diag``): ``w = (d - r) / (1 - r)`` with ``r = ((n-1)! - 1) / (n! - 1)``."""
+    """``comb_b [n!]`` of the permutations map: ``b`` on the identity (the first permutation), 0 elsewhere, ``b``
+    chosen so that ``comb``'s diagonal is that of mHC's start ``softmax(c·I)`` (``c = hc_init_comb_diag``; the
+    derivation is in the docs' math page)."""
     n, c = config.hc_mult, config.hc_init_comb_diag
     bias = torch.zeros(math.factorial(n), dtype=torch.float64)
     if n == 1:

@@ -7,8 +7,8 @@ streams ``[B, T, n, C]``; around each sublayer ``attn_hc`` / ``ffn_hc`` collapse
 merge its output back, and ``model.hc_head`` reads them out. The formulas are in ``mhc_reference.py``; names and
 numerics follow transformers' DeepSeek-V4.
 
-This file, ``configuration_mhc.py`` and ``mhc_reference.py`` are copied flat into saved checkpoints, so a machine
-without ``hf_mhc`` loads them with ``trust_remote_code=True``.
+This file, ``configuration_mhc.py``, ``mhc_reference.py`` and ``distributed.py`` are copied flat into saved
+checkpoints, so a machine without ``hf_mhc`` loads them with ``trust_remote_code=True``.
 """
 
 from __future__ import annotations
@@ -165,8 +165,8 @@ class MHCHyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``streams [B, T, n, C]`` -> the collapsed sublayer input ``Σ_i pre[i]·X[i]`` ``[B, T, C]`` (streams'
         dtype), ``post [B, T, n]`` and ``comb [B, T, n, n]`` (float32; ``None`` for the identity map), in one op.
-        None is a view: this module is an FSDP2 unit of its own, and FSDP2's pre-backward hook on a view output can be
-        lost to an in-place op."""
+        No output tensor is a view: this module is an FSDP2 unit of its own, and FSDP2's pre-backward hook on a view
+        output can be lost to an in-place op."""
         return self.ops.coeffs_pre(streams, self.fn, self.base, self.scale, **self._map_settings())
 
     def maps(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -275,22 +275,24 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         the two regions after attention remake from the layer's input rather than keep.
         """
         streams = hidden_states
-        merge = self.attn_hc.ops.post_res
         recompute = self.hc_recompute and torch.is_grad_enabled()
         region = functools.partial(checkpoint, use_reentrant=False) if recompute else lambda step, *args: step(*args)
 
         def collapse(site: MHCHyperConnection, norms: tuple[str, ...], streams: torch.Tensor, *attention):
-            """``site``'s sublayer input (through the backbone's ``norms`` before the sublayer), ``post`` and
-            ``comb``, from ``streams`` after merging ``attention`` (``(output, post, comb)``) when it is given."""
-            streams = merge(streams, *attention) if attention else streams
+            """``site``'s sublayer input (through the backbone's ``norms`` before it), ``post`` and ``comb``, from
+            ``streams`` with the attention merged in first when ``attention`` (its output, post, comb) is given."""
+            if attention:
+                streams = self.attn_hc.ops.post_res(streams, *attention)
             sublayer_input, post, comb = site(streams)
             for name in norms:
                 sublayer_input = getattr(self, name)(sublayer_input)
             return sublayer_input, post, comb
 
         def merge_mlp(streams: torch.Tensor, mlp_output, mlp_post, mlp_comb, *attention) -> torch.Tensor:
-            streams = merge(streams, *attention) if attention else streams
-            return merge(streams, mlp_output, mlp_post, mlp_comb)
+            """The MLP's output merged into ``streams``, the attention merged in first when ``attention`` is given."""
+            if attention:
+                streams = self.attn_hc.ops.post_res(streams, *attention)
+            return self.ffn_hc.ops.post_res(streams, mlp_output, mlp_post, mlp_comb)
 
         # Collapse, attention, merge.
         attn_input, attn_post, attn_comb = region(collapse, self.attn_hc, self.attention_before, streams)
@@ -302,8 +304,8 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
         if self.residual_multiplier is not None:
             attn_output = attn_output * self.residual_multiplier
         attention = (attn_output, attn_post, attn_comb)
-        if not recompute:  # merged once here; under hc_recompute each region below merges it again instead
-            streams, attention = merge(streams, *attention), ()
+        if not recompute:  # merged once, here; under hc_recompute the two regions below each merge it again instead
+            streams, attention = self.attn_hc.ops.post_res(streams, *attention), ()
 
         # Collapse, MLP (or MoE block), merge.
         mlp_input, mlp_post, mlp_comb = region(collapse, self.ffn_hc, self.mlp_before, streams, *attention)
@@ -392,9 +394,10 @@ class MHCPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save as an ordinary folder whose ``auto_map`` names every mHC class, for ``trust_remote_code`` loading.
 
-        A model whose class a torch wrapper replaced (FSDP2's ``fully_shard`` turns ``MHCForCausalLM`` into
-        ``FSDPMHCForCausalLM``) saves as the class it wraps: the same ``auto_map`` and remote-code files
-        (``configuration_mhc.py``, ``modeling_mhc.py``, ``mhc_reference.py``) as the unwrapped model."""
+        The remote-code files are ``configuration_mhc.py``, ``modeling_mhc.py`` and the files it imports,
+        ``mhc_reference.py`` and ``distributed.py``. A model whose class a torch wrapper replaced (FSDP2's
+        ``fully_shard`` turns ``MHCForCausalLM`` into ``FSDPMHCForCausalLM``) saves as the class it wraps: the same
+        ``auto_map`` and files as the unwrapped model."""
         self.config.auto_map = dict(AUTO_MAP)
         use_backbone_weight_conversions(self.config.backbone_config.model_type)  # MoE experts in the published layout
         runtime_class = type(self)

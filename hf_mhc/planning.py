@@ -49,7 +49,6 @@ TP_STYLE_PLACEMENTS: dict[str, Callable[[str, int], tuple[int, bool] | None]] = 
 INT64_MAX = 2**63 - 1  # the largest size (and byte count) a torch tensor can have
 
 
-
 @dataclass
 class MemoryPlan:
     """The numbers :func:`plan_memory` returns; every size is in bytes."""

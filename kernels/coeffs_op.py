@@ -62,8 +62,6 @@ def _map_offsets(N: tl.constexpr, NV: tl.constexpr, NP: tl.constexpr):
     return vec, vec < N, 2 * N + row * N + col, comb_valid
 
 
-
-
 @triton.jit
 def _tanh(v):
     return 2.0 * tl.sigmoid(2.0 * v) - 1.0

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 import torch
+from activation_helpers import COUNT_BATCH, COUNT_TOKENS, TRAINING_CASES, counted_backbone, real_held
 from conftest import FAMILY_SETTINGS, tiny_backbone_config
-from split_helpers import COUNT_BATCH, COUNT_TOKENS, TRAINING_CASES, counted_backbone, real_held
 from transformers import AutoModelForCausalLM, masking_utils
 from transformers.integrations import moe
 

@@ -123,7 +123,7 @@ def test_sinkhorn_iterations_up_to_the_cap_are_accepted():
     ],
 )
 def test_misspelt_hc_keywords_are_refused(kwargs, message):
-    """A misspelt mHC field used to be stored as an extra attribute and ignored (the model ran with the default)."""
+    """A misspelt mHC field is refused with the closest field named, not stored as an extra attribute and ignored."""
     with pytest.raises(ValueError, match=message) as error:
         MHCConfig(backbone_config=tiny_backbone_config("llama"), **kwargs)
     assert "\n" not in str(error.value)

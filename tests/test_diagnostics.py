@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 from conftest import VOCAB, tiny_backbone_config
-from split_helpers import known_signed_maps, randomize_hc, three_layer_mhc_model
+from diagnostics_helpers import known_signed_maps, randomize_hc, three_layer_mhc_model
 from transformers import LlamaForCausalLM
 
 import hf_mhc.diagnostics as diagnostics
@@ -231,7 +231,6 @@ def test_capture_restores_training_mode_and_removes_hooks():
         stability_report(model, torch.ones(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(TypeError, match="integer"):
         stability_report(model, torch.ones(1, 3))
-
 
 
 def test_the_names_of_the_other_diagnostics_modules_import_from_here():

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import VOCAB
 from datasets import Dataset
-from split_helpers import three_layer_mhc_model
+from diagnostics_helpers import three_layer_mhc_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_mhc.diagnostics import report_scalars, stability_report

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import STORIES260K, tiny_backbone_config
-from split_helpers import randomize_hc, three_layer_mhc_model
+from diagnostics_helpers import randomize_hc, three_layer_mhc_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 import hf_mhc

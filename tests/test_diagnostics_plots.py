@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import VOCAB
-from split_helpers import known_signed_maps, randomize_hc, three_layer_mhc_model
+from diagnostics_helpers import known_signed_maps, randomize_hc, three_layer_mhc_model
 
 from hf_mhc.diagnostics import format_report, stability_report
 from hf_mhc.diagnostics_plots import plot_report

@@ -200,6 +200,25 @@ def test_a_bf16_boundary_halves_the_bytes_and_keeps_the_logits_to_bf16_rounding(
     assert received.grad.dtype == torch.bfloat16  # the gradient sent back is bf16 too
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_running_stages_leaves_the_models_recorded_outputs_alone(family):
+    """Stages run the full model's layers: the hidden states and router logits the model records stay one per layer
+    after its stages have run."""
+    model = tiny_mhc(family, num_layers=2)
+    model.config.output_hidden_states = True
+    model.config.backbone_config.output_router_logits = family == "qwen3_moe"
+    input_ids = torch.randint(3, VOCAB, (2, 7))
+    with torch.no_grad():
+        activations = input_ids
+        for stage in split_pipeline(model, 2):  # before the model records anything itself
+            activations = stage(activations)
+        outputs = model(input_ids)
+    torch.testing.assert_close(activations, outputs.logits)
+    assert len(outputs.hidden_states) == 3  # the streams entering each layer and leaving the last
+    if family == "qwen3_moe":
+        assert len(outputs.router_logits) == 1  # its first layer is dense
+
+
 def test_stage_state_dicts_use_the_full_model_names():
     model = tiny_mhc(num_layers=2)
     stages = split_pipeline(model, 2)
@@ -341,19 +360,25 @@ def test_streams_given_as_inputs_embeds_continue_the_model():
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> tuple[str, str]:
-    """A 4-layer dense (Llama) and a 2-layer MoE (Qwen3-MoE) mHC checkpoint, with random (DeepSeek-V4) HC maps."""
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    """mHC checkpoints with random (DeepSeek-V4) HC maps: a 4-layer dense Llama, a 4-layer Qwen3 with two full
+    layers then two sliding-window ones, and a 2-layer MoE (Qwen3-MoE)."""
     folder = tmp_path_factory.mktemp("native")
     torch.manual_seed(0)
-    dense = tiny_backbone_config("llama", vocab_size=96, num_hidden_layers=4)
-    moe = tiny_backbone_config("qwen3_moe", vocab_size=96)
-    for name, backbone in (("dense", dense), ("moe", moe)):
+    backbones = {
+        "dense": tiny_backbone_config("llama", vocab_size=96, num_hidden_layers=4),
+        "mixed": tiny_backbone_config("qwen3", vocab_size=96, num_hidden_layers=4, use_sliding_window=True,
+                                      sliding_window=4, max_window_layers=2),
+        "moe": tiny_backbone_config("qwen3_moe", vocab_size=96),
+    }
+    assert backbones["mixed"].layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    for name, backbone in backbones.items():
         MHCForCausalLM(MHCConfig(backbone_config=backbone, hc_mult=3, hc_init="deepseek_v4")).save_pretrained(
             folder / name)
-    return str(folder / "dense"), str(folder / "moe")
+    return {name: str(folder / name) for name in backbones}
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 @pytest.mark.parametrize("plan", list(native_worker.PLANS))
 def test_distributed_config_matches_one_process(checkpoints, plan):
-    run_distributed(world_size=2)(native_worker.run_plan)(plan, *checkpoints)
+    run_distributed(world_size=2)(native_worker.run_plan)(plan, checkpoints)

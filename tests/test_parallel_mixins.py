@@ -6,7 +6,7 @@ The mixins come from the transformers sdist (``tests/transformers_suite.py``), t
 ``RankPool`` (started once, reused by every test). Each mixin runs only the model types on its allowlist, a choice
 among transformers' own models; mHC is the model under test here, so the lists are lifted (``None``, as the mixins
 say to run every model with a plan). The FSDP mixin's 4- and 8-rank layouts (HSDP, a 2-D mesh) are skipped:
-this suite runs two ranks (on 2 cores the 4-rank HSDP test alone takes 50 s).
+this suite runs two ranks, within the CPU time of a 2-core CI machine.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from activation_helpers import COUNT_BATCH, COUNT_TOKENS, TRAINING_CASES, real_held
 from conftest import FAMILY_SETTINGS, MOE_FAMILIES, tiny_backbone_config
 from distributed_workers import native_worker
-from split_helpers import COUNT_BATCH, COUNT_TOKENS, TRAINING_CASES, real_held
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers_suite import run_distributed
 

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 import torch
+from activation_helpers import COUNT_BATCH, COUNT_TOKENS, TRAINING_CASES, counted_backbone
 from conftest import tiny_backbone_config
-from split_helpers import COUNT_BATCH, COUNT_TOKENS, TRAINING_CASES, counted_backbone
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint

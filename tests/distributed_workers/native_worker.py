@@ -5,11 +5,12 @@ loaded in one process:
 
 - ``tp_size=2`` (dense): the attention and MLP projections are sharded ``DTensor``s, the float32 HC parameters are
   replicated; logits, loss and every gradient agree.
-- ``pp_size=2`` (dense): each stage holds its layers (and ``hc_head`` the last), the streams ``[B, T, n, C]`` cross the
-  stage boundary; logits agree and greedy ``generate`` gives the same tokens (also for a left-padded row).
+- ``pp_size=2`` (dense, and a Qwen3 whose full and sliding layers fall on different stages): each stage holds its
+  layers (and ``hc_head`` the last), the streams ``[B, T, n, C]`` cross the stage boundary; logits agree and greedy
+  ``generate`` gives the same tokens (also for a left-padded row).
 - ``fsdp_size=2`` (dense), each rank on its half of the batch: logits and every gradient, before any optimizer step.
 - ``fsdp_size=2, fsdp_mixed_precision=True`` (dense): the backbone's units gathered in bf16, the HC units in
-  float32 (their own FSDP units, ``shard_hyper_connections``); float32 HC gradients.
+  float32 (FSDP units of their own, made by ``hf_mhc.distributed``); float32 HC gradients.
 - ``fsdp_size=2, ep_size=2`` (MoE): each rank holds half of the experts; logits and every gradient.
 
 Each rank prints ``rank R: PLAN matches (...)``: the largest logit error as a fraction of ``max|logits|``, the largest
@@ -163,11 +164,15 @@ def check_fully_sharded_bf16(checkpoint: str, input_ids: torch.Tensor) -> str:
 
 
 PLANS = {
-    "tp_size=2": lambda dense, moe, input_ids: check_tensor_parallel(dense, input_ids),
-    "pp_size=2": lambda dense, moe, input_ids: check_pipeline_parallel(dense, input_ids),
-    "fsdp_size=2": lambda dense, moe, input_ids: check_fully_sharded(dense, input_ids),
-    "fsdp_size=2, fsdp_mixed_precision": lambda dense, moe, input_ids: check_fully_sharded_bf16(dense, input_ids),
-    "fsdp_size=2, ep_size=2": lambda dense, moe, input_ids: check_fully_sharded(moe, input_ids, ep_size=2),
+    "tp_size=2": lambda checkpoints, input_ids: check_tensor_parallel(checkpoints["dense"], input_ids),
+    # Mixed: a stage whose layers are all of one attention kind while the model has two.
+    "pp_size=2": lambda checkpoints, input_ids: "; ".join(
+        check_pipeline_parallel(checkpoints[name], input_ids) for name in ("dense", "mixed")),
+    "fsdp_size=2": lambda checkpoints, input_ids: check_fully_sharded(checkpoints["dense"], input_ids),
+    "fsdp_size=2, fsdp_mixed_precision": lambda checkpoints, input_ids: check_fully_sharded_bf16(
+        checkpoints["dense"], input_ids),
+    "fsdp_size=2, ep_size=2": lambda checkpoints, input_ids: check_fully_sharded(checkpoints["moe"], input_ids,
+                                                                                ep_size=2),
 }
 
 
@@ -192,8 +197,9 @@ def check_planned_parameter_bytes(rank: int, checkpoints: list[str]) -> None:
             print(f"rank {rank}: {Path(checkpoint).name} {parallel}: ranks hold {held} B, planned {planned} B")
 
 
-def run_plan(rank: int, plan: str, dense: str, moe: str) -> None:
-    """Check ``plan`` (a key of ``PLANS``) on this rank of a 2-rank process group."""
+def run_plan(rank: int, plan: str, checkpoints: dict[str, str]) -> None:
+    """Check ``plan`` (a key of ``PLANS``) on this rank of a 2-rank process group, on ``checkpoints`` (folders by
+    name: ``dense``, ``mixed``, ``moe``)."""
     torch.manual_seed(0)
-    summary = PLANS[plan](dense, moe, torch.randint(3, 90, (BATCH, LENGTH)))
+    summary = PLANS[plan](checkpoints, torch.randint(3, 90, (BATCH, LENGTH)))
     print(f"rank {rank}: {plan} matches ({summary})", flush=True)
