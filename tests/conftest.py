@@ -32,6 +32,16 @@ JANEAUSTEN = ASSETS / "janeausten"
 
 VOCAB = 101
 
+# The float32 tolerances of model-level comparisons (the ops have their own table, tests/reference_check.py). Two code
+# paths computing one function sum in other orders: an incremental cache, SDPA or eager attention, checkpointing or
+# recomputation, another hc_implementation; the same ops traced by torch.compile or replayed on resume; and a model
+# against the one it was converted or upcycled from, by the converter's own rule (assert_logits_close).
+FLOAT32_TOLERANCES = {
+    "logits": dict(atol=1e-5, rtol=1e-5),
+    "gradients": dict(atol=1e-6, rtol=1e-5),
+    "same_ops": dict(atol=1e-6, rtol=1e-6),
+}
+
 # What each family's tiny config sets beyond the common shape, so that its own features are exercised: Qwen2's q/k/v
 # biases come with the family, Qwen3 and OLMo 2 have q/k norms, Mistral and Gemma 3 sliding-window layers (Gemma 3
 # alternates sliding and full layers, each with its own rotary frequencies), SmolLM3 NoPE layers, Granite its four

@@ -23,6 +23,7 @@ from conftest import (
     FAMILIES,
     STORIES260K,
     VOCAB,
+    assert_logits_close,
     assert_one_line_error,
     convert,
     leftovers,
@@ -67,7 +68,7 @@ def test_cli_converts_each_family_exactly(tmp_path, capsys, small_chunks, family
     assert (converted.lm_head.weight is converted.model.embed_tokens.weight) == tied
     ids = torch.randint(0, VOCAB, (2, 16))
     with torch.no_grad():
-        torch.testing.assert_close(converted(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+        assert_logits_close(converted(ids).logits, source(ids).logits)
     # Exactly the tensors that upcycling the same folder (given as a path) produces.
     upcycled = hf_mhc.upcycle(tmp_path / "src", hc_mult=3).state_dict()
     assert set(converted.state_dict()) == set(upcycled)
@@ -142,7 +143,7 @@ def test_real_pretrained_llama_converts_exactly(tmp_path, capsys):
     converted = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(3, source.config.vocab_size, (2, 48))
     with torch.no_grad():
-        torch.testing.assert_close(converted(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+        assert_logits_close(converted(ids).logits, source(ids).logits)
     assert "Verification:** passed: float32" in (out / "README.md").read_text()
 
 
@@ -513,7 +514,7 @@ def test_convert_with_a_residual_map_writes_it_and_verifies(tmp_path, capsys):
     assert "residual map `identity`" in (tmp_path / "out" / "README.md").read_text()
     ids = torch.randint(0, VOCAB, (2, 9))
     with torch.no_grad():
-        torch.testing.assert_close(converted(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+        assert_logits_close(converted(ids).logits, source(ids).logits)
 
 
 def test_convert_refuses_permutations_of_five_streams_in_one_line(tmp_path, capsys):

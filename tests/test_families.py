@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import (
     DENSE_FAMILIES,
+    FLOAT32_TOLERANCES,
     MOE_FAMILIES,
     VOCAB,
     assert_logits_close,
@@ -282,8 +283,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(family):
     recomputed = loss_gradients(model, ids)
     assert plain.keys() == checkpointed.keys() == recomputed.keys()
     for name in plain:
-        torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
-        torch.testing.assert_close(recomputed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(checkpointed[name], plain[name], **FLOAT32_TOLERANCES["gradients"], msg=name)
+        torch.testing.assert_close(recomputed[name], plain[name], **FLOAT32_TOLERANCES["gradients"], msg=name)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_backbone_config
+from conftest import FLOAT32_TOLERANCES, VOCAB, tiny_backbone_config
 from transformers import CompileConfig, DynamicCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
@@ -141,7 +141,7 @@ def test_past_key_values_is_the_deprecated_name_of_cache():
             continued = model(full[:, PROMPT_LENGTH:], past_key_values=cache, use_cache=True)
     assert any("`past_key_values` is deprecated" in str(warning.message) for warning in caught)
     assert continued.cache is cache and cache.get_seq_length() == full.shape[1]
-    torch.testing.assert_close(continued.logits, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(continued.logits, expected, **FLOAT32_TOLERANCES["logits"])
 
 
 def test_return_dict_false_returns_tuples():

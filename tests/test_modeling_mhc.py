@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import (
     FAMILIES,
+    FLOAT32_TOLERANCES,
     VOCAB,
     assert_logits_close,
     assert_same_weights,
@@ -90,7 +91,7 @@ def test_incremental_forward_with_cache_matches_full_forward(family):
         full = model(ids).logits
         first = model(ids[:, :8], use_cache=True)
         rest = model(ids[:, 8:], cache=first.cache, use_cache=True)
-    torch.testing.assert_close(torch.cat([first.logits, rest.logits], 1), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([first.logits, rest.logits], 1), full, **FLOAT32_TOLERANCES["logits"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -106,7 +107,7 @@ def test_eager_and_sdpa_agree(family, tmp_path):
     with torch.no_grad():
         eager_logits, sdpa_logits = eager(ids, attention_mask=mask).logits, sdpa(ids, attention_mask=mask).logits
     real = mask.bool()  # fully masked (padding) rows are undefined and differ between backends, as in transformers
-    torch.testing.assert_close(eager_logits[real], sdpa_logits[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(eager_logits[real], sdpa_logits[real], **FLOAT32_TOLERANCES["logits"])
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
@@ -119,7 +120,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     checkpointed = loss_gradients(model, ids)
     assert plain.keys() == checkpointed.keys()
     for name in plain:
-        torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(checkpointed[name], plain[name], **FLOAT32_TOLERANCES["gradients"], msg=name)
 
 
 def test_hidden_states_attentions_and_loss():
@@ -206,7 +207,7 @@ def test_sequence_classification():
     assert out.logits.shape == (2, 3) and out.loss.ndim == 0
     with torch.no_grad():
         alone = model(ids[1:, :4]).logits
-    torch.testing.assert_close(out.logits[1:], alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logits[1:], alone, **FLOAT32_TOLERANCES["logits"])
 
 
 def test_selective_recomputation_gives_the_same_gradients_and_saves_less():
@@ -237,12 +238,13 @@ def test_selective_recomputation_gives_the_same_gradients_and_saves_less():
     # Bit-exact: the checkpointed regions run the same ops, in the same order, on the same tensors.
     torch.testing.assert_close(loss, plain_loss, atol=0, rtol=0)
     for name in plain_grads:
-        torch.testing.assert_close(grads[name], plain_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(grads[name], plain_grads[name], **FLOAT32_TOLERANCES["gradients"], msg=name)
     assert saved_per_token() < 0.8 * plain_saved
     model.activation_checkpointing_enable()  # composes with gradient checkpointing
     _, checkpointed_grads = loss_and_grads()
     for name in plain_grads:
-        torch.testing.assert_close(checkpointed_grads[name], plain_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(checkpointed_grads[name], plain_grads[name], **FLOAT32_TOLERANCES["gradients"],
+                                   msg=name)
 
 
 def test_mhc_settings_changed_on_a_built_model_take_effect_and_save_as_they_run(tmp_path):
@@ -420,9 +422,9 @@ def test_model_forward_and_backward_compile_with_fullgraph(family, residual_map)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     out = compiled(ids, labels=ids, use_cache=False)
     out.loss.backward()
-    torch.testing.assert_close(out.logits, eager.logits, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out.logits, eager.logits, **FLOAT32_TOLERANCES["same_ops"])
     for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, eager_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(param.grad, eager_grads[name], **FLOAT32_TOLERANCES["gradients"], msg=name)
 
 
 @pytest.mark.parametrize("residual_map", ["identity", "unconstrained"])
@@ -435,4 +437,4 @@ def test_selective_recomputation_gives_the_same_gradients(residual_map):
     # Bit-exact: the checkpointed regions run the same ops, in the same order, on the same tensors.
     torch.testing.assert_close(recomputed_logits, logits, atol=0, rtol=0)
     for name, grad in grads.items():
-        torch.testing.assert_close(recomputed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(recomputed[name], grad, **FLOAT32_TOLERANCES["gradients"], msg=name)

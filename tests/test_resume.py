@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_backbone_config
+from conftest import FLOAT32_TOLERANCES, VOCAB, tiny_backbone_config
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_mhc import MHCConfig, MHCForCausalLM
@@ -94,4 +94,4 @@ def test_interrupted_run_resumes_to_the_same_losses_and_weights(tmp_path):
 
     uninterrupted_weights = uninterrupted.model.state_dict()
     for name, tensor in resumed.model.state_dict().items():
-        torch.testing.assert_close(tensor, uninterrupted_weights[name], atol=1e-6, rtol=1e-6, msg=name)
+        torch.testing.assert_close(tensor, uninterrupted_weights[name], **FLOAT32_TOLERANCES["same_ops"], msg=name)

@@ -12,7 +12,7 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import torch
-from conftest import VOCAB, assert_one_line_error, convert, leftovers, save_source
+from conftest import VOCAB, assert_logits_close, assert_one_line_error, convert, leftovers, save_source
 from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -48,7 +48,7 @@ def test_hub_id_resolves_from_the_cache_offline(tmp_path, capsys, monkeypatch):
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     ids = torch.randint(0, VOCAB, (1, 12))
     with torch.no_grad():
-        torch.testing.assert_close(converted(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+        assert_logits_close(converted(ids).logits, source(ids).logits)
 
     status, _, err = convert(capsys, "tiny-org/not-in-the-cache", tmp_path / "out2")
     assert_one_line_error(status, err, "'tiny-org/not-in-the-cache'", "Hugging Face Hub")
@@ -90,7 +90,7 @@ def test_a_hub_cache_snapshot_of_links_into_its_blobs_converts(tmp_path, capsys,
         converted = AutoModelForCausalLM.from_pretrained(tmp_path / out)
         ids = torch.randint(0, 101, (1, 12))
         with torch.no_grad():
-            torch.testing.assert_close(converted(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+            assert_logits_close(converted(ids).logits, source(ids).logits)
 
     # A link of the snapshot that leaves the repo's blob store is refused like any other.
     secret = tmp_path / "secret.txt"
@@ -162,7 +162,7 @@ def test_pickled_weights_need_allow_pickle_and_load_weights_only(tmp_path, capsy
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     ids = torch.randint(0, VOCAB, (1, 10))
     with torch.no_grad():
-        torch.testing.assert_close(converted(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+        assert_logits_close(converted(ids).logits, source(ids).logits)
 
     # A pickle that would run code when unpickled is refused, and its code never runs.
     marker = tmp_path / "code-ran"

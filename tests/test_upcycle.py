@@ -107,7 +107,7 @@ def test_upcycle_from_a_saved_folder(tmp_path):
     mhc = hf_mhc.upcycle(tmp_path, hc_mult=2).eval()
     ids = torch.randint(0, VOCAB, (1, 10))
     with torch.no_grad():
-        torch.testing.assert_close(mhc(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+        assert_logits_close(mhc(ids).logits, source(ids).logits)
 
 
 @pytest.mark.skipif(not STORIES260K.is_dir(), reason="../shared/assets/stories260K is not present")
@@ -117,7 +117,7 @@ def test_real_pretrained_llama_upcycles_exactly():
     bos = torch.tensor([[source.config.bos_token_id]])
     ids = torch.randint(3, source.config.vocab_size, (2, 48))
     with torch.no_grad():
-        torch.testing.assert_close(mhc(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+        assert_logits_close(mhc(ids).logits, source(ids).logits)
     expected = source.generate(bos, max_new_tokens=32, do_sample=False)
     assert torch.equal(mhc.generate(bos, max_new_tokens=32, do_sample=False), expected)
 
@@ -158,7 +158,7 @@ def test_every_residual_map_upcycles_to_the_source_logits(family, residual_map, 
     assert mhc.config.hc_residual_map == residual_map
     ids = torch.randint(0, VOCAB, (2, 12))
     with torch.no_grad():
-        torch.testing.assert_close(mhc(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+        assert_logits_close(mhc(ids).logits, source(ids).logits)
     # The token-dependent part is off but trainable: fn = 0 with a non-zero scale, so fn gets a gradient.
     mhc.train()
     mhc(ids, labels=ids).loss.backward()
@@ -200,7 +200,7 @@ def test_real_pretrained_llama_upcycles_exactly_with_each_residual_map(residual_
     mhc = hf_mhc.upcycle(source, hc_mult=4, residual_map=residual_map).eval()
     ids = torch.randint(3, source.config.vocab_size, (2, 48))
     with torch.no_grad():
-        torch.testing.assert_close(mhc(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+        assert_logits_close(mhc(ids).logits, source(ids).logits)
 
 
 def test_upcycle_refuses_two_different_residual_maps():
