@@ -1,7 +1,7 @@
 """The mHC paper in miniature: a residual Llama and one mHC model per residual-map variant, trained from scratch on
 several seeds.
 
-    .venv/bin/python benchmarks/paper_miniature.py [--layers 12] [--hidden 128] [--streams 4] \
+    .venv/bin/python benchmarks/paper_miniature.py [--layers 8] [--hidden 64] [--streams 4] \
         [--steps 150] [--seeds 3] [--variants residual,unconstrained,sinkhorn,permutations,identity] [--lr 3e-3] \
         [--lr-sweep 3e-3,1e-2,3e-2] [--batch-size 8] [--block-size 64] [--log-every 15] [--seed 0] \
         [--json PATH] [--plot PATH.png]
@@ -16,9 +16,9 @@ every model trains on the same batches, in the same order, for the same number o
   streams carried by the identity (only ``pre`` / ``post`` learned). All start out computing the residual model.
 
 The models of one seed train side by side, one step of each in turn (``training_runs.train_arms``), so that their step
-times compare on a loaded machine. The model is a deep, narrow Llama: ``--layers`` x ``--hidden`` (defaults 12 x 128),
+times compare on a loaded machine. The model is a deep, narrow Llama: ``--layers`` x ``--hidden`` (defaults 8 x 64),
 ``hidden / 32`` heads of 32 (full multi-head attention), an MLP of ``8/3 * hidden`` rounded up to a multiple of 32
-(352 for 128), RMSNorm eps 1e-5, untied embeddings. Data: Jane Austen's novels from ``../shared/assets/janeausten``
+(192 for 64), RMSNorm eps 1e-5, untied embeddings. Data: Jane Austen's novels from ``../shared/assets/janeausten``
 beside the project when present, Python's ``pydoc_data`` topics otherwise (``--dataset GLOB`` for other text files),
 tokenised with the stories260K tokenizer (512 tokens, from ``../shared/assets/stories260K``) or bytes (256 tokens;
 ``--tokenizer``). The last 10 % of the tokens are held out; training batches are random blocks of the first 90 %.
@@ -106,8 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "Python's pydoc_data topics otherwise)")
     parser.add_argument("--tokenizer", choices=("auto", "stories260K", "bytes"), default="auto",
                         help="auto: stories260K when ../shared/assets/stories260K is present, bytes otherwise")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--streams", type=int, default=4, help="hc_mult of the mHC models")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seeds", type=int, default=3, help="repeat every variant on this many seeds")

@@ -12,6 +12,7 @@ sum of its own step times; evaluation excluded).
 
 from __future__ import annotations
 
+import functools
 import glob
 import math
 import statistics
@@ -75,6 +76,14 @@ def tokenize(text: str, tokenizer: str) -> tuple[torch.Tensor, int, str]:
         if not STORIES260K.is_dir():
             raise UsageError(f"--tokenizer stories260K: {STORIES260K} is not present; use --tokenizer bytes")
         tokenizer = str(STORIES260K)
+    ids, vocab_size = tokenize_with(text, str(Path(tokenizer).resolve()) if Path(tokenizer).exists() else tokenizer)
+    return ids, vocab_size, name
+
+
+@functools.lru_cache(maxsize=2)
+def tokenize_with(text: str, tokenizer: str) -> tuple[torch.Tensor, int]:
+    """``text`` tokenised by the tokenizer that ``AutoTokenizer`` loads from ``tokenizer`` (cached: two sources with
+    one tokenizer tokenise the corpus once)."""
     from transformers import AutoTokenizer
 
     try:
@@ -82,7 +91,7 @@ def tokenize(text: str, tokenizer: str) -> tuple[torch.Tensor, int, str]:
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot load a tokenizer from {tokenizer}: {str(error).splitlines()[0]}") from None
     ids = loaded(text, add_special_tokens=False)["input_ids"]
-    return torch.tensor(ids, dtype=torch.long), len(loaded), name
+    return torch.tensor(ids, dtype=torch.long), len(loaded)
 
 
 def held_out_blocks(ids: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Does upcycling pay? A pretrained residual model trained on, against its mHC upcycles and a naive conversion.
 
     .venv/bin/python benchmarks/upcycle_miniature.py [--source PATH_OR_HUB_ID|pretrained ...] \
-        [--pretrain-layers 12] [--pretrain-hidden 128] [--pretrain-steps 300] [--dataset GLOB] [--steps 100] \
+        [--pretrain-layers 12] [--pretrain-hidden 64] [--pretrain-steps 200] [--dataset GLOB] [--steps 100] \
         [--lr 1e-3] [--hc-lr LR] [--seeds 3] [--variants residual,sinkhorn,...] [--hc-mult 4] \
         [--json PATH] [--plot PATH.png]
 
@@ -191,8 +191,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a causal LM of a supported family, or 'pretrained' (repeatable; default: "
                              "../shared/assets/stories260K when present, and pretrained)")
     parser.add_argument("--pretrain-layers", type=int, default=12)
-    parser.add_argument("--pretrain-hidden", type=int, default=128)
-    parser.add_argument("--pretrain-steps", type=int, default=300)
+    parser.add_argument("--pretrain-hidden", type=int, default=64)
+    parser.add_argument("--pretrain-steps", type=int, default=200)
     parser.add_argument("--pretrain-lr", type=float, default=3e-3)
     parser.add_argument("--tokenizer", default="auto",
                         help="the pretrained source's: auto (stories260K when present, bytes otherwise), "
