@@ -216,7 +216,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="write the figure (held-out loss against step and time, composite gain) to PATH.png")
     add_json_argument(parser)
     args = parser.parse_args(argv)
-    args.source = args.source or default_sources()
+    args.source = list(dict.fromkeys(args.source or default_sources()))
     return args
 
 
