@@ -156,7 +156,8 @@ def check_summary(runs: dict, summary: dict) -> None:
         return {"mean": sum(values) / len(values), "min": min(values), "max": max(values), "n": len(values)}
 
     def within(run, seconds):
-        return [loss for loss, spent in zip(run["heldout_loss"], run["train_seconds_at_log"]) if spent <= seconds][-1]
+        logged = zip(run["heldout_loss"], run["train_seconds_at_log"], strict=True)
+        return [loss for loss, spent in logged if spent <= seconds][-1]
 
     assert list(summary) == list(runs)
     for arm, seeds in runs.items():
