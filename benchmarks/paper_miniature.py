@@ -48,6 +48,7 @@ import torch
 from benchlib import add_json_argument, progress, report
 from training_runs import (
     BASELINE,
+    GAIN_BLOCKS,
     Schedule,
     UsageError,
     default_dataset,
@@ -66,7 +67,6 @@ import hf_mhc
 from hf_mhc.mhc_reference import RESIDUAL_MAPS
 
 VARIANTS = (BASELINE, "unconstrained", "sinkhorn", "permutations", "identity")
-GAIN_BLOCKS = 2
 PROG = "paper_miniature.py"
 
 

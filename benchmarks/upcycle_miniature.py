@@ -50,6 +50,7 @@ import torch
 from benchlib import add_json_argument, progress, report
 from training_runs import (
     BASELINE,
+    GAIN_BLOCKS,
     STORIES260K,
     Schedule,
     UsageError,
@@ -73,7 +74,6 @@ PRESERVING = ("sinkhorn", "unconstrained", "identity", "permutations")
 NAIVE = "naive"
 ARMS = (BASELINE, *PRESERVING, NAIVE)
 PRETRAINED = "pretrained"
-GAIN_BLOCKS = 2
 CACHE = Path(__file__).resolve().parent / ".cache"
 PROG = "upcycle_miniature.py"
 
