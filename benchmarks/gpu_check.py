@@ -4,9 +4,10 @@
 
 Runs, each in its own process (a failing step does not stop the next), printing each step and its time:
 
-1. ``tests``: every test that takes ``HF_MHC_TEST_DEVICE=cuda`` (the ops and residual maps, n = 1 to 8, float32,
-   bfloat16 and float16, on CUDA tensors with the compiled Triton kernels), and every Triton kernel compiled to sm_90
-   and sm_80 cubins without register spills;
+1. ``tests``: every test that takes ``HF_MHC_TEST_DEVICE=cuda``, on CUDA tensors with the compiled Triton kernels (the
+   ops and residual maps, n = 1 to 8, float32, bfloat16 and float16; ``apply_mhc_kernels`` on transformers'
+   DeepSeek-V4, GLM-5-Next and HY-V4; greedy generation; the static cache under fullgraph ``torch.compile``), and
+   every Triton kernel compiled to sm_90 and sm_80 cubins without register spills (not with ``--quick``);
 2. ``kernels``: the device's device-to-device copy bandwidth, then ``bench_kernels.py`` with it as the peak (each
    kernel's achieved fraction of it) and the fused site, forward + backward, against transformers' DeepSeek-V4 path
    at n = 4, C = 4096, bfloat16;
@@ -35,9 +36,13 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
-# The tests that honour HF_MHC_TEST_DEVICE=cuda, and the compile-for-a-real-GPU check (it needs no GPU, but belongs
-# with the GPU claims).
-CUDA_TESTS = ["tests/test_kernels.py", "tests/test_triton_gpu_compile.py"]
+# The tests that honour HF_MHC_TEST_DEVICE=cuda (the ops and residual maps at every n and dtype, apply_mhc_kernels on
+# transformers' DeepSeek-V4 / GLM-5-Next / HY-V4, greedy generation, the static cache under fullgraph torch.compile),
+# then the compile-for-a-real-GPU check (it needs no GPU, but belongs with the GPU claims; --quick leaves it out).
+CUDA_TESTS = ["tests/test_kernels.py", "tests/test_monkey_patch.py",
+              "tests/test_generation.py::test_greedy_dict_outputs",
+              "tests/test_generation.py::test_static_cache_and_fullgraph_compile_equal_the_dynamic_cache"]
+COMPILE_TEST = "tests/test_triton_gpu_compile.py"
 
 
 class Step(NamedTuple):
@@ -59,11 +64,7 @@ def steps(out: Path, quick: bool) -> list[Step]:
     # transformers imports.
     pytest_args = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
                    "--junit-xml", str(out / "tests.xml")]
-    if quick:  # the ops at every n and dtype, without the compile-to-cubin check
-        tests = [*pytest_args, "-x", CUDA_TESTS[0]]
-    else:
-        tests = [*pytest_args, *CUDA_TESTS]
-    tests = [str(ROOT / part) if part in CUDA_TESTS else part for part in tests]
+    tests = [*pytest_args, *(str(ROOT / test) for test in CUDA_TESTS + ([] if quick else [COMPILE_TEST]))]
 
     def script(name: str, *args: str) -> list[str]:
         result = out / f"{name.removeprefix('bench_')}.json"

@@ -32,6 +32,15 @@ JANEAUSTEN = ASSETS / "janeausten"
 
 VOCAB = 101
 
+
+@pytest.fixture
+def on_test_device():
+    """Every tensor and module a test creates lives on ``TEST_DEVICE`` (the op tests, ``apply_mhc_kernels``, and the
+    compile and generation tests that ``make gpu-check`` runs on a GPU)."""
+    torch.set_default_device(TEST_DEVICE)
+    yield
+    torch.set_default_device("cpu")
+
 # The float32 tolerances of model-level comparisons (the ops have their own table, tests/reference_check.py). Two code
 # paths computing one function sum in other orders: an incremental cache, SDPA or eager attention, checkpointing or
 # recomputation, another hc_implementation; the same ops traced by torch.compile or replayed on resume; and a model

@@ -36,10 +36,28 @@ def test_make_gpu_check_dry_run_lists_every_step_and_exits_0_without_cuda(tmp_pa
     assert result.returncode == 0, result.stderr
     headers = [line for line in result.stdout.splitlines() if line.startswith("[")]
     assert [line.split(":")[0] for line in headers] == [f"[{i}/5] {name}" for i, name in enumerate(STEPS, 1)]
-    assert "HF_MHC_TEST_DEVICE=cuda" in result.stdout and "tests/test_kernels.py" in result.stdout
+    assert "HF_MHC_TEST_DEVICE=cuda" in result.stdout
+    for tests in ("test_kernels.py", "test_monkey_patch.py", "test_generation.py::test_greedy_dict_outputs",
+                  "test_generation.py::test_static_cache_and_fullgraph_compile_equal_the_dynamic_cache"):
+        assert f"tests/{tests}" in result.stdout
     assert ("test_triton_gpu_compile.py" in result.stdout) is not quick
     assert "--peak-gbps copy" in result.stdout and "--static" in result.stdout and "--dtype bfloat16" in result.stdout
     assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
+
+
+def test_the_tests_step_collects_every_test_it_names(gpu_check, tmp_path):
+    """The tests step's own command, collecting only (on CPU): every file and test id it names exists, and the
+    tests it runs are those that honour HF_MHC_TEST_DEVICE (and the compile-to-cubin check)."""
+    (step,) = [step for step in gpu_check.steps(tmp_path, quick=False) if step.name == "tests"]
+    result = subprocess.run([*step.command, "--collect-only"], cwd=ROOT / "tests", capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    collected = [line for line in result.stdout.splitlines() if "::" in line]
+    files = {line.split("::")[0] for line in collected}
+    assert files == {"tests/test_kernels.py", "tests/test_monkey_patch.py", "tests/test_generation.py",
+                     "tests/test_triton_gpu_compile.py"}
+    generation = {line.split("::")[1].split("[")[0] for line in collected if "test_generation" in line}
+    assert generation == {"test_greedy_dict_outputs", "test_static_cache_and_fullgraph_compile_equal_the_dynamic_cache"}
 
 
 def test_without_cuda_it_refuses_in_one_line_before_doing_anything(tmp_path):
