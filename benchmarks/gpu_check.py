@@ -57,7 +57,7 @@ class Step(NamedTuple):
 
 
 def steps(out: Path, quick: bool) -> list[Step]:
-    """The steps of a run, sized for an H100 / H200-class GPU: all of them in 8 minutes, 3 with ``quick``."""
+    """The steps of a run, their sizes chosen to fit an H100 / H200-class GPU in 8 minutes (3 with ``quick``)."""
     python = sys.executable
     tests_json = out / "tests.json"
     # Run from tests/ (see run): from the root, `python -m` would let kernels/ shadow the `kernels` package that
