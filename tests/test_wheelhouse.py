@@ -130,3 +130,11 @@ def test_a_target_install_of_the_wheelhouse_runs_hf_mhc_beside_only_torch_and_th
                          env=env)
     assert ran.returncode == 0, ran.stderr[-4000:]
     assert ran.stdout.strip() != pins["transformers"]  # the node's older transformers is shadowed
+
+
+def test_releases_whose_version_is_not_pep_440_are_passed_over(wheelhouse, monkeypatch):
+    """``pip index versions`` lists every release, tqdm's ``2013-12-31`` among them: pip never picks those."""
+    monkeypatch.setattr(wheelhouse, "pip", lambda *args: "tqdm (4.70.1)\nAvailable versions: 4.70.1, 4.66.3, "
+                                                         "4.66.2, 2013-12-31, 1.0\n")
+    oldest = wheelhouse.oldest_release("tqdm", wheelhouse.SpecifierSet(">=4.66.3"), "3.12", ["manylinux1_x86_64"])
+    assert oldest == wheelhouse.Version("4.66.3")

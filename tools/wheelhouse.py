@@ -30,7 +30,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name, parse_wheel_filename
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_HAVE = ROOT / "tools" / "node-freeze.txt"
@@ -87,7 +87,8 @@ def pip(*args: str) -> str:
     command = [sys.executable, "-m", "pip", "--disable-pip-version-check", *args]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
-        raise WheelhouseError(f"{' '.join(command[2:])} failed: {result.stderr.strip().splitlines()[-1]}")
+        last_line = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+        raise WheelhouseError(f"{' '.join(command[2:])} failed: {last_line}")
     return result.stdout
 
 
@@ -97,12 +98,20 @@ def target_args(python_version: str, platforms: list[str]) -> list[str]:
             *(arg for platform in platforms for arg in ("--platform", platform))]
 
 
+def parse_version(text: str) -> Version | None:
+    """``text`` as a version; None for the few old releases whose version is not PEP 440 (pip skips them too)."""
+    try:
+        return Version(text.strip())
+    except InvalidVersion:
+        return None
+
+
 def oldest_release(name: str, specifier: SpecifierSet, python_version: str, platforms: list[str]) -> Version:
     """The oldest release of ``name`` with a wheel for the node that ``specifier`` allows."""
     text = pip("index", "versions", name, *target_args(python_version, platforms))
     line = next((line for line in text.splitlines() if line.startswith("Available versions:")), "")
-    allowed = [Version(v) for v in line.removeprefix("Available versions:").split(",") if v.strip()]
-    allowed = [v for v in allowed if specifier.contains(v)]
+    allowed = [v for v in map(parse_version, line.removeprefix("Available versions:").split(","))
+               if v is not None and specifier.contains(v)]
     if not allowed:
         raise WheelhouseError(f"no release of {name} with a wheel for the node satisfies {specifier or 'any'}")
     return min(allowed)
