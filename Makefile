@@ -13,7 +13,14 @@ DEEPSPEED_SITE  := $(VENV)/deepspeed-site
 DEEPSPEED_STAMP := $(DEEPSPEED_SITE)/.installed
 DEEPSPEED       ?= deepspeed==0.19.8
 
-.PHONY: demo test test-other-cpu lint docs install deepspeed
+# make wheelhouse [HAVE=node-freeze.txt]: hf-mhc's wheel and what an offline node whose pip freeze is HAVE lacks
+# (tools/wheelhouse.py; run where the registry is reachable). make gpu-check [ARGS=--quick|--dry-run]: every GPU
+# measurement (benchmarks/gpu_check.py) with GPU_PYTHON, e.g. GPU_PYTHON=python3 on a node with the wheelhouse on
+# PYTHONPATH.
+HAVE       ?= tools/node-freeze.txt
+GPU_PYTHON ?= $(PY)
+
+.PHONY: demo test test-other-cpu lint docs install deepspeed wheelhouse gpu-check
 
 install: $(STAMP)
 
@@ -55,3 +62,9 @@ test-other-cpu: $(STAMP) $(DEEPSPEED_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+wheelhouse: $(STAMP)
+	$(PY) tools/wheelhouse.py --have $(HAVE) --out wheelhouse
+
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py $(ARGS)

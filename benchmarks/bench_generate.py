@@ -8,7 +8,8 @@ dynamic cache, ``--repeats`` times, the models alternating within each repeat (s
 hits all of them). The mHC model runs twice per repeat: with the CPU decode fast path
 (``hf_mhc/kernels/cpu_decode.py``, the default) and with it off (``HF_MHC_CPU_DECODE=0``: the eager torch kernels, as
 before it existed). Reported per case: the median time per generated token of each and the median, minimum and
-maximum of the per-repeat ratios to the residual model.
+maximum of the per-repeat ratios to the residual model. ``--device cuda`` runs both on a GPU (the CPU decode fast
+path does not apply there: its two mHC columns run the same kernels).
 
 ``--static`` adds, for the first hidden size and batch, ``cache_implementation="static"`` with ``torch.compile``
 (``CompileConfig(fullgraph=True)``, on CPU too): the compile time of the first call, then the same timing. The upcycled
@@ -16,7 +17,8 @@ model keeps its source's function, so the two also generate the same tokens; the
 ``--profile`` prints the operators of one mHC generation that took the most time (``torch.profiler``)::
 
     .venv/bin/python benchmarks/bench_generate.py [--hidden 256 1024 2048] [--batch 1 8] [--layers 8] [--vocab 32000]
-        [--new-tokens 32] [--prompt 16] [--repeats 5] [--static] [--profile] [--json PATH]
+        [--new-tokens 32] [--prompt 16] [--repeats 5] [--static] [--profile] [--device cuda] [--dtype bfloat16]
+        [--json PATH]
 
 Prints each case and repeat to stderr as it goes, then the table; the results are written as JSON only with ``--json``.
 """
@@ -38,22 +40,27 @@ import hf_mhc
 from hf_mhc.kernels import cpu_decode
 
 
-def build_models(hidden: int, layers: int, vocab: int) -> tuple[LlamaForCausalLM, hf_mhc.MHCForCausalLM]:
-    """A random Llama of width ``hidden`` and its mHC upcycle (``hc_mult=4``), both in eval mode."""
+def build_models(hidden: int, layers: int, vocab: int, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, hf_mhc.MHCForCausalLM]:
+    """A random Llama of width ``hidden`` and its mHC upcycle (``hc_mult=4``), both in eval mode on ``device``."""
     torch.manual_seed(0)
     heads = max(1, hidden // 64)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=(8 * hidden // 3 + 63) // 64 * 64,
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=max(1, heads // 4), max_position_embeddings=4096)
-    source = LlamaForCausalLM(config).eval()
+    source = LlamaForCausalLM(config).to(device, dtype).eval()
     return source, hf_mhc.upcycle(copy.deepcopy(source), hc_mult=4).eval()
 
 
 def timed_generate(model, input_ids: torch.Tensor, new_tokens: int, **options) -> tuple[float, torch.Tensor]:
     """Seconds per generated token of one greedy ``generate``, and the generated tokens."""
+    if input_ids.is_cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=False, **options)
+    if input_ids.is_cuda:
+        torch.cuda.synchronize()
     return (time.perf_counter() - start) / new_tokens, out[:, input_ids.shape[1]:]
 
 
@@ -137,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--static", action="store_true", help="also time the static cache with torch.compile")
     parser.add_argument("--profile", action="store_true", help="print the top operators of one mHC generation")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the models' dtype")
     add_json_argument(parser)
     args = parser.parse_args(argv)
     if min(args.hidden) < 64 or any(c % 64 for c in args.hidden):
@@ -148,11 +157,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    results = {"threads": torch.get_num_threads(), "layers": args.layers, "vocab": args.vocab, "hc_mult": 4,
-               "new_tokens": args.new_tokens, "prompt": args.prompt, "repeats": args.repeats,
-               "load_average_before": os.getloadavg()[0], "cases": []}
+    results = {"device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(), "layers": args.layers,
+               "vocab": args.vocab, "hc_mult": 4, "new_tokens": args.new_tokens, "prompt": args.prompt,
+               "repeats": args.repeats, "load_average_before": os.getloadavg()[0], "cases": []}
     lines = [f"greedy decoding, {args.layers} layers, vocabulary {args.vocab}, hc_mult 4, {args.new_tokens} new "
-             f"tokens, {torch.get_num_threads()} threads; ms per generated token (median of {args.repeats})",
+             f"tokens, {args.dtype} on {args.device}, {torch.get_num_threads()} threads; ms per generated token "
+             f"(median of {args.repeats})",
              "| C | batch | cache | residual | mHC | mHC / residual (min-max) | mHC, eager kernels | eager / residual "
              "(min-max) | same tokens |",
              "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -160,8 +170,9 @@ def main(argv: list[str] | None = None) -> dict:
     for index, (hidden, batch) in enumerate(cases, 1):
         label = f"case {index}/{len(cases)}: C={hidden} batch={batch}"
         progress(f"{label}: building")
-        source, model = build_models(hidden, args.layers, args.vocab)
-        input_ids = torch.randint(0, args.vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(index))
+        source, model = build_models(hidden, args.layers, args.vocab, args.device, getattr(torch, args.dtype))
+        input_ids = torch.randint(0, args.vocab, (batch, args.prompt),
+                                  generator=torch.Generator().manual_seed(index)).to(args.device)
         runs = [("dynamic", compare(source, model, input_ids, args, label))]
         if args.static and index == 1:
             runs.append(("static + compile", static_compiled(source, model, input_ids, args, f"{label} static")))

@@ -3,11 +3,13 @@ hf_mhc.kernels against transformers' DeepSeek-V4 path (``DeepseekV4HyperConnecti
 
     .venv/bin/python benchmarks/bench_kernels.py            # n=4, C=1024, 4096 tokens, fp32, on CPU
     .venv/bin/python benchmarks/bench_kernels.py --json benchmarks/results/kernels_cpu.json
+    .venv/bin/python benchmarks/bench_kernels.py --device cuda --hidden 4096 --dtype bfloat16 --peak-gbps copy
 
 Reports the median time of repeats measured side by side in one run (the paths alternate, so machine noise hits all
 of them), their ratio, and the bytes each saves for backward per token (``saved_tensors_hooks``, distinct storages,
 the parameters excluded). On a CUDA device it also times each Triton kernel and reports its achieved memory
-bandwidth; with Liger-Kernel installed, its ``liger_mhc_*`` ops run beside ours (as a third path, and per op).
+bandwidth, as a fraction of ``--peak-gbps`` (given, or ``copy``: measured as a device-to-device copy's); with
+Liger-Kernel installed, its ``liger_mhc_*`` ops run beside ours (as a third path, and per op).
 
 Prints each repeat to stderr as it runs, then the tables; the results are written as JSON only with ``--json PATH``
 (otherwise printed after the tables).
@@ -90,6 +92,14 @@ def median_seconds(run, device, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def copy_bandwidth(device: torch.device, megabytes: int, repeats: int) -> float:
+    """GB/s of a device-to-device copy of ``megabytes`` MB (bytes read plus bytes written), median of ``repeats``."""
+    source = torch.empty(megabytes * 10**6, dtype=torch.uint8, device=device).random_(0, 256)
+    target = torch.empty_like(source)
+    seconds = median_seconds(lambda: target.copy_(source), device, repeats)
+    return 2 * source.numel() / seconds / 1e9
+
+
 def kernel_bandwidth(hc, streams, backend: str, repeats: int, peak_gbps: float | None,
                      liger: LigerSite | None) -> list[dict]:
     """Forward time and achieved memory bandwidth of each op alone (bytes it must read and write, per token), ours and,
@@ -137,9 +147,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--peak-gbps", type=float, help="the device's peak memory bandwidth, e.g. 4800 for an H200")
+    parser.add_argument("--peak-gbps", type=peak_argument, metavar="GBPS|copy",
+                        help="the device's peak memory bandwidth, e.g. 4800 for an H200, or `copy`: the measured "
+                             "bandwidth of a device-to-device copy")
+    parser.add_argument("--copy-mb", type=int, default=1024, help="the size of that copy in MB (default 1024)")
     add_json_argument(parser)
     return parser.parse_args(argv)
+
+
+def peak_argument(text: str) -> float | str:
+    if text == "copy":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive bandwidth in GB/s nor `copy`")
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -195,8 +220,13 @@ def main(argv: list[str] | None = None) -> None:
         results["speedup_vs_liger"] = results["paths"][LIGER_PATH]["median_ms"] / ours["median_ms"]
     results["saved_bytes_budget_per_token"] = (args.n + 1) * args.hidden * streams.element_size() + 512
 
+    peak_gbps = args.peak_gbps
+    if peak_gbps == "copy":
+        progress(f"device-to-device copy of {args.copy_mb} MB, {args.repeats} repeats")
+        peak_gbps = copy_bandwidth(device, args.copy_mb, args.repeats)
+    results["peak_gbps"], results["peak_source"] = peak_gbps, "measured copy" if args.peak_gbps == "copy" else "given"
     backend = "triton" if device.type == "cuda" else "torch"
-    results["kernels"] = kernel_bandwidth(hc, streams.detach(), backend, args.repeats, args.peak_gbps, liger)
+    results["kernels"] = kernel_bandwidth(hc, streams.detach(), backend, args.repeats, peak_gbps, liger)
 
     lines = [f"one mHC site, forward + backward: n={args.n}, C={args.hidden}, {args.tokens} tokens, {args.dtype}, "
              f"{device}, median of {args.repeats}",
@@ -208,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
                  f"{results['saved_bytes_budget_per_token']:,} bytes/token")
     if liger:
         lines.append(f"against Liger-Kernel: {results['speedup_vs_liger']:.2f}x")
+    if peak_gbps:
+        lines.append(f"peak bandwidth: {peak_gbps:.0f} GB/s ({results['peak_source']})")
     lines += ["forward of each op alone: bytes it must move per token, achieved bandwidth",
               "| op | backend | median ms | bytes/token | GB/s | of peak |",
               "| --- | --- | ---: | ---: | ---: | ---: |"]

@@ -1,7 +1,7 @@
 """Training-step time of an mHC model against its residual baseline: forward + backward of the loss.
 
     .venv/bin/python benchmarks/bench_training_step.py [--hidden 1024] [--layers 4] [--tokens 2048] [--n 4] \
-        [--repeats 7] [--json PATH]
+        [--repeats 7] [--device cuda] [--dtype bfloat16] [--json PATH]
 
 Models, measured side by side in one run (they alternate, so machine noise hits all of them; medians of repeats):
 
@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the models' dtype (the mHC maps compute in float32 either way)")
     add_json_argument(parser)
     return parser.parse_args(argv)
 
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     config = LlamaConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden),
                          num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=2,
                          max_position_embeddings=args.tokens, attn_implementation="sdpa")
-    residual = LlamaForCausalLM(config).to(args.device).train()
+    residual = LlamaForCausalLM(config).to(args.device, getattr(torch, args.dtype)).train()
     mhc = hf_mhc.upcycle(residual, hc_mult=args.n).train()
     ids = torch.randint(0, config.vocab_size, (1, args.tokens), device=args.device)
     runs = {
@@ -101,11 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     medians = {name: 1e3 * statistics.median(times) for name, times in samples.items()}
     baseline = medians["residual Llama"]
     lines = [f"training step (forward + backward): Llama C={args.hidden}, {args.layers} layers, {args.tokens} tokens, "
-             f"fp32, {args.device} ({torch.get_num_threads()} CPU threads), median of {args.repeats}",
+             f"{args.dtype}, {args.device} ({torch.get_num_threads()} CPU threads), median of {args.repeats}",
              "| model | median ms | over the residual model |",
              "| --- | ---: | ---: |"]
     for name, value in medians.items():
-        overhead = "" if name == "residual Llama" else f"+{100 * (value / baseline - 1):.0f} %"
+        overhead = "" if name == "residual Llama" else f"{100 * (value / baseline - 1):+.1f} %"
         lines.append(f"| {name} | {value:.0f} | {overhead} |")
     config = {key: value for key, value in vars(args).items() if key != "json"}
     report("\n".join(lines), {"config": config | {"threads": torch.get_num_threads()}, "median_ms": medians},

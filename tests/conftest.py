@@ -21,6 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from packaging.version import Version  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from hf_mhc.cli import main as hf_mhc_main  # noqa: E402
@@ -31,6 +32,30 @@ STORIES260K = ASSETS / "stories260K"
 JANEAUSTEN = ASSETS / "janeausten"
 
 VOCAB = 101
+
+
+TORCH_RELEASE = Version(torch.__version__).release
+
+
+def needs_torch(version: str, why: str) -> pytest.MarkDecorator:
+    """Skip on torch releases older than ``version`` (the floor is 2.11), where torch or transformers itself does
+    something else: ``why`` says what. The one place that names what older torch releases lack."""
+    return pytest.mark.skipif(TORCH_RELEASE < Version(version).release, reason=f"torch < {version}: {why}")
+
+
+OLD_CHECKPOINT = ("2.12", "torch's non-reentrant checkpoint holds more than the layer inputs that hf-mhc plan and "
+                  "the tests count")
+OLD_FP8_CACHE = ("2.13", "transformers' fp8 quantized KV cache gives NaN logits on CPU")
+OLD_GLOO_PIPELINE = ("2.13", "torch.distributed.pipelining's schedules fail over gloo (pair not connected)")
+
+
+@pytest.fixture
+def on_test_device():
+    """Every tensor and module a test creates lives on ``TEST_DEVICE`` (the op tests, ``apply_mhc_kernels``, and the
+    compile and generation tests that ``make gpu-check`` runs on a GPU)."""
+    torch.set_default_device(TEST_DEVICE)
+    yield
+    torch.set_default_device("cpu")
 
 # The float32 tolerances of model-level comparisons (the ops have their own table, tests/reference_check.py). Two code
 # paths computing one function sum in other orders: an incremental cache, SDPA or eager attention, checkpointing or

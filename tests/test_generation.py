@@ -45,6 +45,7 @@ def generate(model, input_ids, **kwargs):
     return model.generate(input_ids, **{**defaults, **kwargs})
 
 
+@pytest.mark.usefixtures("on_test_device")  # on CUDA under HF_MHC_TEST_DEVICE=cuda
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_greedy_dict_outputs(family, use_cache):
@@ -116,6 +117,7 @@ def test_generate_from_inputs_embeds_continues_the_prompt():
     assert torch.equal(from_embeds, reference_greedy(model, input_ids, NEW_TOKENS)[:, PROMPT_LENGTH:])
 
 
+@pytest.mark.usefixtures("on_test_device")  # on CUDA under HF_MHC_TEST_DEVICE=cuda
 def test_static_cache_and_fullgraph_compile_equal_the_dynamic_cache():
     model, input_ids = random_mhc(), prompt()
     expected = reference_greedy(model, input_ids, NEW_TOKENS)

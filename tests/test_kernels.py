@@ -48,12 +48,7 @@ MAGNITUDE = 2.5  # the identity map's post magnitude: not 2, so that a hard-code
 SHAPES = [(1, 5, 1, 8), (2, 3, 2, 16), (1, 7, 3, 12), (2, 4, 4, 20), (1, 5, 6, 10), (1, 3, 8, 24)]
 
 
-@pytest.fixture(autouse=True)
-def on_test_device():
-    """Every tensor a test creates lives on ``TEST_DEVICE``."""
-    torch.set_default_device(TEST_DEVICE)
-    yield
-    torch.set_default_device("cpu")
+pytestmark = pytest.mark.usefixtures("on_test_device")
 
 
 @pytest.fixture(autouse=True)

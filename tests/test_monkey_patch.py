@@ -1,5 +1,5 @@
 """``hf_mhc.monkey_patch`` (``apply_mhc_kernels``) on transformers' own mHC models: the same logits and gradients as
-upstream."""
+upstream. On a GPU machine ``HF_MHC_TEST_DEVICE=cuda`` runs them on CUDA with the compiled Triton kernels."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from transformers.models.hy_v4_vl.modeling_hy_v4_vl import HYV4VLTextModel
 
 import hf_mhc.monkey_patch as monkey_patch
 from hf_mhc import apply_mhc_kernels
+
+pytestmark = pytest.mark.usefixtures("on_test_device")  # CUDA tensors under HF_MHC_TEST_DEVICE=cuda
 
 # The patched model against upstream, both in float32 (the same math in another order), per entry: outputs within
 # 1e-5 + 1e-5·|upstream|, gradients within 1e-5 + 1e-4·|upstream| (sums over every token, which cancel).

@@ -21,7 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import EXAMPLES, STORIES260K, WORKERS, assert_ordinary_mhc_folder, free_port, import_script, torchrun
+from conftest import (
+    EXAMPLES,
+    OLD_GLOO_PIPELINE,
+    STORIES260K,
+    WORKERS,
+    assert_ordinary_mhc_folder,
+    free_port,
+    import_script,
+    needs_torch,
+    torchrun,
+)
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -93,6 +103,7 @@ def saved_state(folder: Path) -> tuple[dict[str, torch.Tensor], list[dict]]:
     return load_file(folder / "model.safetensors"), log
 
 
+@needs_torch(*OLD_GLOO_PIPELINE)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_pipeline_schedule_matches_one_process(work, schedule):
     """One step (no optimizer step): the loss, logits and every gradient of one process, to float32 rounding."""
@@ -101,6 +112,7 @@ def test_pipeline_schedule_matches_one_process(work, schedule):
     assert line is not None and "parameters match" in line, log[-3000:]
 
 
+@needs_torch(*OLD_GLOO_PIPELINE)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_pipelined_finetuning_reaches_the_weights_of_one_process(work, schedule):
     """Losses and gradient norms of every step equal the one-process run's within 1e-6 relative; the weights within
@@ -120,6 +132,7 @@ def test_pipelined_finetuning_reaches_the_weights_of_one_process(work, schedule)
     assert any(not torch.equal(initial[name], expected_weights[name]) for name in initial)  # it trained
 
 
+@needs_torch(*OLD_GLOO_PIPELINE)
 def test_a_resumed_run_continues_the_loss_curve(work):
     """Resumed from its step-2 checkpoint, the 1f1b run reaches the losses and weights of the run that went on."""
     log = (work / "launch.log").read_text()
@@ -133,6 +146,7 @@ def test_a_resumed_run_continues_the_loss_curve(work):
         assert_close_to_scale(weights[name], expected, rtol=1e-6, name=name)
 
 
+@needs_torch(*OLD_GLOO_PIPELINE)
 def test_the_run_saves_ordinary_mhc_folders_that_stay_tied(work):
     """The tied embedding stays one tensor: ``tie_word_embeddings: true``, the source's parameter count."""
     out = work / SCHEDULES[0]
@@ -439,6 +453,7 @@ def test_a_resumed_run_may_take_more_steps_and_keeps_its_warm_up(one_process_run
     assert f"--resume {out / 'checkpoint-15'} was saved by a run with --warmup-steps 1 (now 3)" in line, line
 
 
+@needs_torch(*OLD_GLOO_PIPELINE)
 def test_resuming_on_another_number_of_ranks_names_the_torchrun_option(work, tmp_path, capsys):
     """The 1f1b run's checkpoint was saved on two ranks; one process may not continue it."""
     argv = json.loads((work / "finetune_args.json").read_text())

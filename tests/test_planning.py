@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from activation_helpers import COUNT_BATCH, COUNT_TOKENS, TRAINING_CASES, real_held
-from conftest import FAMILY_SETTINGS, MOE_FAMILIES, tiny_backbone_config
+from conftest import FAMILY_SETTINGS, MOE_FAMILIES, OLD_CHECKPOINT, needs_torch, tiny_backbone_config
 from distributed_workers import native_worker
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers_suite import run_distributed
@@ -263,6 +263,7 @@ def test_hf_mhc_plan_turns_bad_input_into_one_line(tmp_path, capsys):
 # ---------------------------------------------------------------- activations held for backward
 
 
+@needs_torch(*OLD_CHECKPOINT)
 def test_checkpointed_layers_hold_their_inputs_by_hand():
     """Gradient checkpointing: per layer the hidden states entering it (``n·C`` streams for mHC) and a copy of the
     CPU random state; the rotary ``cos`` and ``sin`` ``[1, T, head_dim]`` in the model's dtype and the position ids

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 from activation_helpers import COUNT_BATCH, COUNT_TOKENS, TRAINING_CASES, counted_backbone
-from conftest import tiny_backbone_config
+from conftest import OLD_CHECKPOINT, needs_torch, tiny_backbone_config
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
@@ -33,6 +33,7 @@ def held_and_allocated(model, input_ids: torch.Tensor) -> tuple[int, int]:
     return held, allocated + input_ids.numel() * input_ids.element_size() - loss.numel() * loss.element_size()
 
 
+@needs_torch(*OLD_CHECKPOINT)
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe", "deepseek_v3"])
 def test_held_bytes_are_what_the_profiler_sees_allocated(family, one_thread):
     """Within 64 bytes (scalar constants some families make), residual and mHC, plain, with ``hc_recompute`` and with
@@ -60,6 +61,7 @@ def test_reentrant_gradient_checkpointing_is_what_the_profiler_sees_allocated(on
         assert abs(held - expected) <= 64, (type(model_config).__name__, held, expected)
 
 
+@needs_torch(*OLD_CHECKPOINT)
 def test_checkpoints_count_only_what_they_keep():
     """By hand on real tensors: a checkpoint keeps its input, its keyword tensor and a copy of the CPU random state;
     under ``no_grad`` nothing; dropped, nothing (its keyword tensor lives on, not held by it); another thread's

@@ -26,7 +26,7 @@ import math
 
 import pytest
 import torch
-from conftest import STORIES260K, VOCAB, tiny_backbone_config
+from conftest import OLD_FP8_CACHE, STORIES260K, VOCAB, needs_torch, tiny_backbone_config
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -52,7 +52,7 @@ BACKENDS = [
     pytest.param("quanto", 4, marks=needs_quanto, id="quanto-4"),
     pytest.param("hqq", 4, marks=needs_hqq, id="hqq-4"),
     pytest.param("hqq", 8, marks=needs_hqq, id="hqq-8"),
-    pytest.param("fp8", None, id="fp8"),
+    pytest.param("fp8", None, marks=needs_torch(*OLD_FP8_CACHE), id="fp8"),
 ]
 
 
