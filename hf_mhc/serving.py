@@ -2,16 +2,18 @@
 
 transformers' server builds a checkpoint's model class as ``getattr(transformers, config.architectures[0])`` (in
 ``transformers.cli.serving.model_manager``), which finds transformers' own classes only, not a plugin's or a remote
-code's. :func:`serve` sets the mHC model classes on the module object that this lookup reads, the one the model
-manager imported as ``transformers``: importing some of transformers' submodules (``transformers.processing_utils``)
-puts a new module object in ``sys.modules["transformers"]``, so an attribute set on an earlier one is not seen. It then
-runs transformers' own ``serve`` command with the arguments unchanged, so every option of ``transformers serve``
+code's. :func:`register_with_transformers_serve` sets the mHC model classes on the ``transformers`` module, and
+``import hf_mhc`` calls it: transformers 5.24 loads the model in the server's process, 5.25 in a process it spawns,
+which imports the ``hf-mhc`` command (its main script) and so ``hf_mhc`` again. :func:`serve` then runs transformers'
+own ``serve`` command with the arguments unchanged, so every option of ``transformers serve``
 (``--continuous-batching``, ``--cb-*``, ``--host``, ``--port``, ``--device``, ``--dtype``, ``--quantization``, ...)
 means what it means there.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Sequence
 
 from . import modeling_mhc
@@ -22,17 +24,25 @@ SERVE_REQUIREMENTS = "pip install 'hf-mhc[serving]'"
 
 
 def register_with_transformers_serve() -> None:
-    """Make :data:`SERVED_CLASSES` resolvable by ``transformers serve``'s model manager, in this process. A class
-    transformers already resolves under that name is left alone."""
-    from transformers.cli.serving import model_manager
+    """Set :data:`SERVED_CLASSES` on the ``transformers`` module of this process, where ``transformers serve`` looks
+    a checkpoint's class up. A name transformers already resolves is left alone.
 
-    for model_class in SERVED_CLASSES:
-        if getattr(model_manager.transformers, model_class.__name__, None) is None:
-            setattr(model_manager.transformers, model_class.__name__, model_class)
+    The first import of ``transformers.processing_utils`` puts a new ``transformers`` module object in
+    ``sys.modules`` (it re-executes ``transformers/__init__.py``), which would drop an attribute set on the earlier
+    one: it is imported first, so that the object set here is the one every later ``import transformers`` gets.
+    """
+    importlib.import_module("transformers.processing_utils")
+    modules = [sys.modules["transformers"]]
+    if "transformers.cli.serving.model_manager" in sys.modules:  # imported earlier: the object its lookup reads
+        modules.append(sys.modules["transformers.cli.serving.model_manager"].transformers)
+    for module in modules:
+        for model_class in SERVED_CLASSES:
+            if getattr(module, model_class.__name__, None) is None:
+                setattr(module, model_class.__name__, model_class)
 
 
 def serve(arguments: Sequence[str]) -> int:
-    """Run ``transformers serve ARGUMENTS`` with the mHC classes registered (:func:`register_with_transformers_serve`);
+    """Run ``transformers serve ARGUMENTS`` (:func:`register_with_transformers_serve` done by ``import hf_mhc``);
     return its exit status. ``ImportError`` when transformers' serving dependencies are missing."""
     from transformers.utils.import_utils import is_serve_available
 
@@ -41,7 +51,7 @@ def serve(arguments: Sequence[str]) -> int:
     import click
     from transformers.cli.transformers import app
 
-    register_with_transformers_serve()
+    register_with_transformers_serve()  # again, in case a transformers import replaced the module since
     try:
         return app.main(["serve", *arguments], prog_name="hf-mhc", standalone_mode=False) or 0
     except click.exceptions.Abort:

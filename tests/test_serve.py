@@ -241,6 +241,19 @@ def test_the_documented_client_snippet_runs_against_the_server(served_folder):
         stop_server(process)
 
 
+def test_importing_hf_mhc_makes_the_served_classes_resolvable_where_transformers_serve_looks_them_up():
+    """In a fresh process that imports ``hf_mhc`` and then transformers' CLI, as the model process transformers 5.25's
+    server spawns does (it imports the ``hf-mhc`` script, then the model manager): the manager's
+    ``getattr(transformers, architecture)`` finds the mHC classes."""
+    check = ("import hf_mhc.cli, transformers.cli.transformers, transformers.processing_utils\n"
+             "from transformers.cli.serving import model_manager\n"
+             "from hf_mhc.serving import SERVED_CLASSES\n"
+             "assert all(getattr(model_manager.transformers, c.__name__) is c for c in SERVED_CLASSES)\n")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=Path(__file__).parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_missing_serving_dependencies_end_in_one_line_and_options_are_transformers_serve_s(monkeypatch, capsys):
     import transformers.utils.import_utils as import_utils
 
