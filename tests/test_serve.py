@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import STORIES260K, free_port
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+import hf_mhc
 from hf_mhc.cli import main as hf_mhc_main
 from hf_mhc.serving import SERVED_CLASSES
 
@@ -25,12 +27,6 @@ NEEDS_SERVING = "hf-mhc serve's tests need the serving extra: pip install 'hf-mh
 openai = pytest.importorskip("openai", reason=NEEDS_SERVING)
 pytest.importorskip("fastapi", reason=NEEDS_SERVING)
 pytest.importorskip("uvicorn", reason=NEEDS_SERVING)
-if not STORIES260K.is_dir():
-    pytest.skip("hf-mhc serve's tests serve the upcycled ../shared/assets/stories260K", allow_module_level=True)
-
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-import hf_mhc  # noqa: E402
 
 MODEL = "outputs/stories-mhc"  # the served folder, relative to the server's working directory: the requests' model id
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "serving.md"
@@ -50,20 +46,38 @@ SERVER_MODES = {
 }
 
 
+def offline_source() -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """A random 2-layer Llama with 512 positions and a word-level tokenizer of :data:`STORY`'s words built here."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "<s>", "</s>", *dict.fromkeys(STORY.replace(",", " ,").replace(".", " .").split())]
+    backend = Tokenizer(models.WordLevel({word: index for index, word in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    config = LlamaConfig(vocab_size=len(words), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                         eos_token_id=2)
+    return LlamaForCausalLM(config).eval(), tokenizer
+
+
 @pytest.fixture(scope="module")
 def served_folder(tmp_path_factory) -> Path:
-    """The server's working directory, holding ``outputs/stories-mhc``: stories260K upcycled to 4 streams, its
-    hyper-connection weights then perturbed (so that it no longer computes the source's function, as after
-    fine-tuning), saved with the tokenizer and a chat template."""
+    """The server's working directory, holding ``outputs/stories-mhc``: stories260K (or, without
+    ``../shared/assets``, :func:`offline_source`) upcycled to 4 streams, its hyper-connection weights then perturbed
+    (so that it no longer computes the source's function, as after fine-tuning), saved with the tokenizer and a chat
+    template."""
     workdir = tmp_path_factory.mktemp("serve")
     torch.manual_seed(0)
-    source = AutoModelForCausalLM.from_pretrained(STORIES260K)
+    if STORIES260K.is_dir():
+        source = AutoModelForCausalLM.from_pretrained(STORIES260K)
+        tokenizer = AutoTokenizer.from_pretrained(STORIES260K)
+    else:
+        source, tokenizer = offline_source()
     model = hf_mhc.upcycle(source, hc_mult=4)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "_hc." in name or "hc_head." in name:
                 parameter.add_(torch.randn_like(parameter) * 0.3)
-    tokenizer = AutoTokenizer.from_pretrained(STORIES260K)
     ids = tokenizer(STORY, return_tensors="pt").input_ids
     with torch.no_grad():  # greedy answers tell the served model from its source
         assert not torch.equal(*(m.generate(ids, max_new_tokens=16, do_sample=False) for m in (model, source)))
