@@ -3,7 +3,8 @@
 Importing this package registers ``MHCConfig`` (``model_type="mhc"``) and the mHC models with
 ``AutoConfig``, ``AutoModel``, ``AutoModelForCausalLM`` and ``AutoModelForSequenceClassification``, and makes
 Accelerate's FSDP2 (``accelerate launch``, ``Trainer``) keep the hyper-connection modules float32
-(:mod:`hf_mhc.accelerate_fsdp2`).
+(:mod:`hf_mhc.accelerate_fsdp2`), and sets ``MHCForCausalLM`` on the ``transformers`` module, where
+``transformers serve`` looks a checkpoint's class up (:mod:`hf_mhc.serving`, ``hf-mhc serve``).
 """
 
 from transformers import (
@@ -25,6 +26,9 @@ AutoModelForSequenceClassification.register(MHCConfig, modeling_mhc.MHCForSequen
 _install_accelerate_fsdp2()  # Accelerate / Trainer FSDP2 keep the HC modules float32 (see hf_mhc.accelerate_fsdp2)
 
 from .conversion import upcycle  # noqa: E402  (needs the classes registered above)
+from .serving import register_with_transformers_serve  # noqa: E402
+
+register_with_transformers_serve()  # hf-mhc serve: the server's model process (transformers >= 5.25) imports hf_mhc
 
 __version__ = "0.1.0"
 

@@ -1,11 +1,12 @@
 """The ``hf-mhc`` command line: ``convert`` (a residual checkpoint into an mHC one), ``inspect`` (stability report),
-``plan`` (memory from a config).
+``plan`` (memory from a config), ``serve`` (transformers' OpenAI-compatible server on an mHC model).
 
 Each subcommand is a :class:`Subcommand` in :data:`SUBCOMMANDS`: its help line and a ``setup`` function that adds
 its arguments and a ``run`` handler returning the exit status. Only the chosen subcommand is set up, so ``convert``
 does not pay for ``inspect``'s imports. Bad input ends with one ``hf-mhc <command>: error: ...`` line on stderr and
 status 1 (2 for arguments argparse rejects), never with a traceback; an interrupted command (Ctrl-C, SIGTERM during a
-conversion) with status 130.
+conversion) with status 130. ``serve`` hands its arguments to transformers' own ``serve`` command unparsed
+(:mod:`hf_mhc.serving`), which parses and reports them.
 
 :func:`looks_like_local_path`, :func:`folder_error` and :func:`output_path_error` are the checks every entry point
 (``hf-mhc``, ``examples/quickstart.py``, ``examples/finetune.py``) runs on its paths before it does any work, so that a
@@ -77,6 +78,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``hf-mhc`` with ``argv`` (default: ``sys.argv[1:]``) and return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        return _run_serve(argv[1:])
     command = next((arg for arg in argv if not arg.startswith("-")), "")  # the first positional argument
     args = build_parser(command).parse_args(argv)
     try:
@@ -201,6 +204,11 @@ def _setup_plan(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_run_plan)
 
 
+def _setup_serve(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("arguments", nargs=argparse.REMAINDER, metavar="MODEL [OPTIONS]",
+                        help="a folder or Hub id, and transformers serve's options (hf-mhc serve --help lists them)")
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "convert": Subcommand(
         "convert a residual causal-LM checkpoint into an mHC checkpoint", _setup_convert,
@@ -215,7 +223,21 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "read): KV cache, parameters per device, mHC stream traffic, activations held for backward (residual, mHC, "
         "hc_recompute, gradient checkpointing), pipeline-boundary bytes.",
     ),
+    "serve": Subcommand(
+        "serve an mHC model with transformers' OpenAI-compatible server (transformers serve's options)", _setup_serve,
+        "Run transformers' own OpenAI-compatible server (`transformers serve`) on an mHC folder or Hub id, every "
+        "option of transformers serve passed through unchanged.",
+    ),
 }
+
+
+def _run_serve(arguments: list[str]) -> int:
+    from .serving import serve  # imports transformers' server: only here
+
+    try:
+        return serve(arguments)
+    except BAD_INPUT_ERRORS as error:
+        return print_error("serve", first_line(error))
 
 
 def _run_plan(args: argparse.Namespace) -> int:

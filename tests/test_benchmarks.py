@@ -4,6 +4,7 @@ The scripts run in this process at their smallest sizes (a few seconds in all). 
 ``bench_convert`` measure child processes (each imports torch) and a 2 GB checkpoint: there the measurement and the
 checkpoint writer are replaced by stand-ins, and the rest of the script runs as it is. ``bench_pipeline`` starts its
 two gloo ranks (child processes) for real once: the second run of a test reuses the ranks' results of the first.
+``bench_serve`` starts its two ``hf-mhc serve`` processes for real, in each run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from conftest import JANEAUSTEN, STORIES260K, import_script
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = ["bench_kernels", "bench_memory", "bench_training_step", "bench_upcycle", "bench_convert", "bench_kv_cache",
-           "bench_pipeline", "paper_miniature", "upcycle_miniature", "bench_generate"]
+           "bench_pipeline", "paper_miniature", "upcycle_miniature", "bench_generate",
+           "bench_serve"]
 TINY = {
     "bench_kernels": ["--n", "2", "--hidden", "16", "--tokens", "8", "--repeats", "1", "--device", "cpu"],
     "bench_memory": ["--n", "2", "--hidden", "128", "--layers", "1", "--tokens", "16"],
@@ -35,6 +37,8 @@ TINY = {
                           "residual,sinkhorn,naive"],
     "bench_generate": ["--hidden", "64", "--batch", "1", "--layers", "1", "--vocab", "128", "--new-tokens", "2",
                        "--prompt", "4", "--repeats", "1"],
+    "bench_serve": ["--hidden", "64", "--layers", "1", "--modes", "continuous-batching", "--concurrency", "2",
+                    "--requests-per-client", "1", "--new-tokens", "2", "--prompt", "2", "--repeats", "1"],
 }
 PROGRESS = {
     "bench_kernels": "repeat 1/1: ",
@@ -47,6 +51,7 @@ PROGRESS = {
     "paper_miniature": "lr 0.003: seed 1: identity: step 3/3",
     "upcycle_miniature": "pretrained 2x32: seed 1: naive: step 3/3",
     "bench_generate": "case 1/1: C=64 batch=1: repeat 1/1",
+    "bench_serve": "mode 1/1: continuous-batching: concurrency 2: repeat 1/1",
 }
 
 
@@ -106,6 +111,8 @@ def test_every_script_takes_json_and_has_no_default_output(load, name):
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_a_run_prints_progress_and_writes_results_only_with_json(load, name, tmp_path, tmp_path_factory, monkeypatch,
                                                                 capsys):
+    if name == "bench_serve" and not STORIES260K.is_dir():
+        pytest.skip("bench_serve serves models with ../shared/assets/stories260K's tokenizer")
     committed = files_under(BENCHMARKS / "results")
     monkeypatch.chdir(tmp_path)
     module = load(name)
