@@ -7,14 +7,18 @@ code's. :func:`register_with_transformers_serve` sets the mHC model classes on t
 which imports the ``hf-mhc`` command (its main script) and so ``hf_mhc`` again. :func:`serve` then runs transformers'
 own ``serve`` command with the arguments unchanged, so every option of ``transformers serve``
 (``--continuous-batching``, ``--cb-*``, ``--host``, ``--port``, ``--device``, ``--dtype``, ``--quantization``, ...)
-means what it means there.
+means what it means there. :func:`serve` adds one check to the server transformers builds
+(:func:`reject_bad_generation_requests`): a ``max_tokens`` that is not a positive integer, and a prompt that does not
+fit the model's context, get HTTP 400 instead of a server error, an empty answer or an answer past the context.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from . import modeling_mhc
 
@@ -41,17 +45,121 @@ def register_with_transformers_serve() -> None:
                 setattr(module, model_class.__name__, model_class)
 
 
+# The generation routes checked, each with its new-token count fields, the one its handler uses first, first.
+MAX_TOKENS_FIELDS = {
+    "/v1/completions": ("max_tokens",),
+    "/v1/chat/completions": ("max_completion_tokens", "max_tokens"),
+}
+
+
+def max_tokens_error(body: dict, fields: Sequence[str]) -> str | None:
+    """The message of a 400 for the first of ``fields`` that ``body`` gives (not ``None``) and that is not a positive
+    integer; ``None`` when all of them are."""
+    for field in fields:
+        value = body.get(field)
+        if value is not None and (type(value) is not int or value < 1):
+            return f"`{field}` must be a positive integer; got {json.dumps(value)}."
+    return None
+
+
+def context_error(prompt_tokens: int, max_new_tokens: int | None, context: int,
+                  field: str = "max_tokens") -> str | None:
+    """The message of a 400 for a prompt of ``prompt_tokens`` that leaves no room in a ``context`` of positions, or
+    that with ``max_new_tokens`` (the request's ``field``, when it gives it) exceeds it; ``None`` when it fits."""
+    if prompt_tokens >= context:
+        return f"The prompt has {prompt_tokens} tokens; the model's context is {context} tokens."
+    if max_new_tokens is not None and prompt_tokens + max_new_tokens > context:
+        return (f"The prompt's {prompt_tokens} tokens and {field}={max_new_tokens} exceed the model's context of "
+                f"{context} tokens.")
+    return None
+
+
+def reject_bad_generation_requests(app, model_manager, chat_handler, completion_handler) -> None:
+    """Add to ``app`` (built by ``transformers.cli.serving.server.build_server``, not started yet) a middleware that
+    answers a ``POST`` to ``/v1/completions`` or ``/v1/chat/completions`` with HTTP 400 ``{"detail": message}``
+    (transformers' own 400s' shape) when a field of :data:`MAX_TOKENS_FIELDS` is given and is not a positive integer,
+    or when the prompt's tokens (a chat's through the chat template, as its handler applies it; text models only)
+    fill the model's ``max_position_embeddings`` or, with the new-token count the request gives, exceed it.
+
+    Every other request reaches transformers' routes unchanged, those that transformers rejects itself (unexpected
+    fields, a model other than the served one, a prompt that is not a string, a body that is not a JSON object)
+    included: its own handlers' checks run first. The middleware sits inside transformers' request-id one, so a 400
+    carries the ``x-request-id`` header as transformers' own do.
+    """
+    from fastapi import HTTPException
+    from fastapi.responses import JSONResponse
+    from starlette.middleware import Middleware
+    from starlette.middleware.base import BaseHTTPMiddleware
+    from transformers.cli.serving.utils import Modality
+
+    handlers = {"/v1/completions": completion_handler, "/v1/chat/completions": chat_handler}
+
+    def bad_request_message(path: str, body: dict) -> str | None:
+        handler = handlers[path]
+        try:  # transformers' own checks of this request: what they reject, its route rejects itself
+            handler._validate_request(body)
+            _, model, processor = handler._resolve_model(dict(body))
+        except HTTPException:
+            return None
+        message = max_tokens_error(body, MAX_TOKENS_FIELDS[path])
+        context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        if message is not None or context is None:
+            return message
+        if path == "/v1/completions":
+            if not isinstance(body.get("prompt", ""), str):
+                return None
+            tokenizer = getattr(processor, "tokenizer", processor)
+            prompt_tokens = len(tokenizer(body.get("prompt", ""))["input_ids"])
+        else:
+            modality = model_manager.get_model_modality(model, processor=processor)
+            if modality != Modality.LLM or "messages" not in body:
+                return None
+            inputs = processor.apply_chat_template(
+                handler.get_processor_inputs_from_messages(body["messages"], modality), add_generation_prompt=True,
+                tools=body.get("tools"), return_dict=True, tokenize=True,
+                **{**handler.chat_template_kwargs, **body.get("chat_template_kwargs", {})})
+            prompt_tokens = len(inputs["input_ids"])
+        given = [field for field in MAX_TOKENS_FIELDS[path] if body.get(field) is not None]
+        if not given:
+            return context_error(prompt_tokens, None, context)
+        return context_error(prompt_tokens, body[given[0]], context, given[0])
+
+    async def dispatch(request, call_next: Callable[[Any], Any]):
+        if request.method != "POST" or request.url.path not in handlers:
+            return await call_next(request)
+        try:
+            body = json.loads(await request.body())  # Starlette keeps the body for the route
+        except ValueError:
+            return await call_next(request)
+        message = bad_request_message(request.url.path, body) if isinstance(body, dict) else None
+        if message is None:
+            return await call_next(request)
+        return JSONResponse({"detail": message}, status_code=400)
+
+    app.user_middleware.append(Middleware(BaseHTTPMiddleware, dispatch=dispatch))
+
+
 def serve(arguments: Sequence[str]) -> int:
-    """Run ``transformers serve ARGUMENTS`` (:func:`register_with_transformers_serve` done by ``import hf_mhc``);
-    return its exit status. ``ImportError`` when transformers' serving dependencies are missing."""
+    """Run ``transformers serve ARGUMENTS`` (:func:`register_with_transformers_serve` done by ``import hf_mhc``), its
+    app checked by :func:`reject_bad_generation_requests`; return its exit status. ``ImportError`` when transformers'
+    serving dependencies are missing."""
     from transformers.utils.import_utils import is_serve_available
 
     if not is_serve_available():
         raise ImportError(f"serving needs fastapi, uvicorn, pydantic and openai: {SERVE_REQUIREMENTS}")
     import click
+    from transformers.cli.serving import server
     from transformers.cli.transformers import app
 
+    build_server = server.build_server
+
+    def build_checked_server(model_manager, chat_handler, completion_handler, *args, **kwargs):
+        checked = build_server(model_manager, chat_handler, completion_handler, *args, **kwargs)
+        reject_bad_generation_requests(checked, model_manager, chat_handler, completion_handler)
+        return checked
+
     register_with_transformers_serve()  # again, in case a transformers import replaced the module since
+    server.build_server = build_checked_server  # transformers' serve command imports it when it runs
     try:
         return app.main(["serve", *arguments], prog_name="hf-mhc", standalone_mode=False) or 0
     except click.exceptions.Abort:
@@ -59,6 +167,16 @@ def serve(arguments: Sequence[str]) -> int:
     except click.exceptions.ClickException as error:
         error.show()
         return error.exit_code
+    finally:
+        server.build_server = build_server
 
 
-__all__ = ["SERVED_CLASSES", "register_with_transformers_serve", "serve"]
+__all__ = [
+    "MAX_TOKENS_FIELDS",
+    "SERVED_CLASSES",
+    "context_error",
+    "max_tokens_error",
+    "register_with_transformers_serve",
+    "reject_bad_generation_requests",
+    "serve",
+]

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import hf_mhc
 from hf_mhc.cli import main as hf_mhc_main
-from hf_mhc.serving import SERVED_CLASSES
+from hf_mhc.serving import MAX_TOKENS_FIELDS, SERVED_CLASSES, context_error, max_tokens_error
 
 NEEDS_SERVING = "hf-mhc serve's tests need the serving extra: pip install 'hf-mhc[serving]'"
 openai = pytest.importorskip("openai", reason=NEEDS_SERVING)
@@ -215,8 +215,9 @@ def test_sixteen_concurrent_requests_answer_as_one_at_a_time(server):
     assert concurrent == one_at_a_time
 
 
-def test_bad_requests_get_http_errors_and_the_server_keeps_serving(server, reference):
+def test_bad_requests_get_http_400_and_the_server_keeps_serving(server, reference):
     client, url = server
+    greedy, tokenizer = reference
     with pytest.raises(openai.BadRequestError) as unknown_model:
         client.completions.create(model="no-such-model", prompt="Once", max_tokens=4)
     assert "pinned to 'outputs/stories-mhc'" in unknown_model.value.response.text
@@ -224,16 +225,60 @@ def test_bad_requests_get_http_errors_and_the_server_keeps_serving(server, refer
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "Hi"}])
     assert "pinned to 'outputs/stories-mhc'" in unknown_model.value.response.text
     long_prompt = " ".join([STORY] * 20)  # more tokens than the model's 512 positions
-    assert len(reference[1](long_prompt).input_ids) > 512
-    for bad in (dict(prompt="Once", max_tokens=-3), dict(prompt=long_prompt, max_tokens=4)):
-        try:  # transformers 5.24 fails or answers these depending on the mode: see docs/serving.md
-            # a client of its own: uvicorn closes the connection of a 500, which a pooled connection would meet later
-            new_client(url).completions.create(model=MODEL, temperature=0, **bad)
-        except openai.APIStatusError as error:
-            assert error.status_code >= 400
-    greedy, tokenizer = reference
+    prompt_tokens = len(tokenizer(long_prompt).input_ids)
+    long_chat = [{"role": "user", "content": long_prompt}]
+    chat_tokens = len(tokenizer.apply_chat_template(long_chat, add_generation_prompt=True,
+                                                    return_dict=True)["input_ids"])
+    assert min(prompt_tokens, chat_tokens) > 512
+    short_tokens = len(tokenizer(PROMPTS[3]).input_ids)
+    hi = [{"role": "user", "content": "Hi"}]
+    hi_tokens = len(tokenizer.apply_chat_template(hi, add_generation_prompt=True, return_dict=True)["input_ids"])
+    cases = [  # (endpoint, request, transformers serve's {"detail": ...} message)
+        ("completions", dict(prompt="Once", max_tokens=-3), "`max_tokens` must be a positive integer; got -3."),
+        ("completions", dict(prompt="Once", max_tokens=0, stream=True),
+         "`max_tokens` must be a positive integer; got 0."),
+        ("chat", dict(messages=hi, max_tokens=-3), "`max_tokens` must be a positive integer; got -3."),
+        ("chat", dict(messages=hi, max_completion_tokens=-1, max_tokens=4),
+         "`max_completion_tokens` must be a positive integer; got -1."),
+        ("completions", dict(prompt=long_prompt, max_tokens=4),
+         f"The prompt has {prompt_tokens} tokens; the model's context is 512 tokens."),
+        ("completions", dict(prompt=long_prompt, stream=True),
+         f"The prompt has {prompt_tokens} tokens; the model's context is 512 tokens."),
+        ("chat", dict(messages=long_chat, max_tokens=4, stream=True),
+         f"The prompt has {chat_tokens} tokens; the model's context is 512 tokens."),
+        ("completions", dict(prompt=PROMPTS[3], max_tokens=512 - short_tokens + 1),
+         f"The prompt's {short_tokens} tokens and max_tokens={512 - short_tokens + 1} exceed the model's context "
+         "of 512 tokens."),
+        ("chat", dict(messages=hi, max_completion_tokens=600, max_tokens=4),
+         f"The prompt's {hi_tokens} tokens and max_completion_tokens=600 exceed the model's context of 512 tokens."),
+    ]
+    for endpoint, bad, message in cases:
+        # a client of its own: were the server to answer a 500, uvicorn would close the connection
+        bad_client = new_client(url)
+        create = bad_client.completions.create if endpoint == "completions" else bad_client.chat.completions.create
+        with pytest.raises(openai.APIStatusError) as error:
+            create(model=MODEL, temperature=0, **bad)
+        assert error.value.status_code == 400, (endpoint, bad)
+        assert error.value.response.json() == {"detail": message}
+        assert error.value.response.headers["x-request-id"]  # set by transformers' middleware, as on its own 400s
     expected = greedy(tokenizer(PROMPTS[3], return_tensors="pt").input_ids, MAX_TOKENS[3])
     assert complete(client, PROMPTS[3], MAX_TOKENS[3], False) == expected
+
+
+def test_max_tokens_and_context_checks():
+    fields = MAX_TOKENS_FIELDS["/v1/chat/completions"]
+    assert max_tokens_error({"max_tokens": 4, "max_completion_tokens": None}, fields) is None
+    assert max_tokens_error({}, fields) is None
+    for value, shown in ((0, "0"), (-3, "-3"), (2.0, "2.0"), (True, "true"), ("4", '"4"')):
+        message = max_tokens_error({"max_tokens": value}, fields)
+        assert message == f"`max_tokens` must be a positive integer; got {shown}."
+    assert context_error(511, None, 512) is None
+    assert context_error(511, 1, 512) is None
+    assert context_error(512, None, 512) == "The prompt has 512 tokens; the model's context is 512 tokens."
+    assert context_error(500, 13, 512) == (
+        "The prompt's 500 tokens and max_tokens=13 exceed the model's context of 512 tokens.")
+    assert context_error(500, 13, 512, "max_completion_tokens") == (
+        "The prompt's 500 tokens and max_completion_tokens=13 exceed the model's context of 512 tokens.")
 
 
 def test_the_documented_client_snippet_runs_against_the_server(served_folder):
@@ -261,7 +306,7 @@ def test_importing_hf_mhc_makes_the_served_classes_resolvable_where_transformers
     ``getattr(transformers, architecture)`` finds the mHC classes."""
     check = ("import hf_mhc.cli, transformers.cli.transformers, transformers.processing_utils\n"
              "from transformers.cli.serving import model_manager\n"
-             "from hf_mhc.serving import SERVED_CLASSES\n"
+             "from hf_mhc.serving import MAX_TOKENS_FIELDS, SERVED_CLASSES, context_error, max_tokens_error\n"
              "assert all(getattr(model_manager.transformers, c.__name__) is c for c in SERVED_CLASSES)\n")
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=Path(__file__).parent)
@@ -270,7 +315,9 @@ def test_importing_hf_mhc_makes_the_served_classes_resolvable_where_transformers
 
 def test_missing_serving_dependencies_end_in_one_line_and_options_are_transformers_serve_s(monkeypatch, capsys):
     import transformers.utils.import_utils as import_utils
+    from transformers.cli.serving import server
 
+    build_server = server.build_server
     monkeypatch.setattr(import_utils, "is_serve_available", lambda: False)
     assert hf_mhc_main(["serve", MODEL]) == 1
     assert capsys.readouterr().err.strip() == (
@@ -279,6 +326,7 @@ def test_missing_serving_dependencies_end_in_one_line_and_options_are_transforme
     monkeypatch.undo()
     assert hf_mhc_main(["serve", MODEL, "--no-such-option"]) == 2
     assert "No such option '--no-such-option'" in capsys.readouterr().err
+    assert server.build_server is build_server  # hf-mhc serve's wrapper is gone once it returns
     assert hf_mhc_main(["serve", "--help"]) == 0
     usage = capsys.readouterr().out
     assert "Usage: hf-mhc serve [OPTIONS] [FORCE_MODEL]" in usage
