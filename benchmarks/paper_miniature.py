@@ -51,6 +51,7 @@ from training_runs import (
     GAIN_BLOCKS,
     Schedule,
     UsageError,
+    check_clip_and_plot,
     default_dataset,
     llama_config,
     load_text,
@@ -144,15 +145,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--hidden must be a multiple of 32 (heads of 32), got {args.hidden}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise UsageError(f"--lr must be a positive number, got {args.lr}")
-    if not (math.isfinite(args.grad_clip) and args.grad_clip >= 0):
-        raise UsageError(f"--grad-clip must be a norm >= 0 (0: no clipping), got {args.grad_clip}")
-    if args.plot is not None:
-        if args.plot.suffix.lower() != ".png":
-            raise UsageError(f"--plot {args.plot}: expected a .png path")
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
+    check_clip_and_plot(args.grad_clip, args.plot)
 
 
 def stability_table(runs: dict[str, dict[str, dict]]) -> str:

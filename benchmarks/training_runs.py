@@ -41,6 +41,20 @@ class UsageError(ValueError):
     """Bad input: reported by the script as one ``SCRIPT: error: ...`` line."""
 
 
+def check_clip_and_plot(grad_clip: float, plot: Path | None) -> None:
+    """``UsageError`` for a ``--grad-clip`` that is not a norm >= 0 (0: no clipping), and for a ``--plot`` that is not
+    a ``.png`` path or that matplotlib, absent, cannot draw."""
+    if not (math.isfinite(grad_clip) and grad_clip >= 0):
+        raise UsageError(f"--grad-clip must be a norm >= 0 (0: no clipping), got {grad_clip}")
+    if plot is not None:
+        if plot.suffix.lower() != ".png":
+            raise UsageError(f"--plot {plot}: expected a .png path")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
+
+
 def default_dataset() -> str | None:
     folder = ASSETS / "janeausten"
     return str(folder / "*.txt") if folder.is_dir() else None

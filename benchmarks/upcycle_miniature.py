@@ -54,6 +54,7 @@ from training_runs import (
     STORIES260K,
     Schedule,
     UsageError,
+    check_clip_and_plot,
     default_dataset,
     held_out_loss,
     llama_config,
@@ -232,17 +233,9 @@ def check_args(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise UsageError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
-    if not (math.isfinite(args.grad_clip) and args.grad_clip >= 0):
-        raise UsageError(f"--grad-clip must be a norm >= 0 (0: no clipping), got {args.grad_clip}")
+    check_clip_and_plot(args.grad_clip, args.plot)
     if args.tokenizer not in ("auto", "stories260K", "bytes"):
         raise UsageError(f"--tokenizer must be auto, stories260K or bytes, got {args.tokenizer}")
-    if args.plot is not None:
-        if args.plot.suffix.lower() != ".png":
-            raise UsageError(f"--plot {args.plot}: expected a .png path")
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
     arms = list(dict.fromkeys(name.strip() for name in args.variants.split(",") if name.strip()))
     unknown = [name for name in arms if name not in ARMS]
     if unknown or not arms:
