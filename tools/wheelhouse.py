@@ -37,9 +37,9 @@ DEFAULT_HAVE = ROOT / "tools" / "node-freeze.txt"
 # manylinux tags a glibc 2.28 x86_64 node runs (pip takes the listed tags only, not the older ones each implies).
 DEFAULT_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
                      "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64"]
-# The node's PyTorch stack, never in the wheelhouse: these projects and every project named with these prefixes.
 # Beside hf-mhc's own requirements: make gpu-check's test runner.
 EXTRA_REQUIREMENTS = ["pytest>=8"]
+# The node's PyTorch stack, never in the wheelhouse: these projects and every project named with these prefixes.
 NODE_STACK, NODE_STACK_PREFIXES = ("torch", "triton"), ("nvidia-", "cuda-")
 
 
