@@ -33,7 +33,7 @@ import statistics
 import time
 
 import torch
-from benchlib import add_json_argument, progress, report
+from benchlib import add_json_argument, load_average_line, progress, report
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
 import hf_mhc
@@ -185,9 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
                 cells += [f"{run[f'{name}_ms_per_token']:.2f}", f"{run[f'{name}_ratio_median']:.3f} "
                           f"({run[f'{name}_ratio_min']:.3f}-{run[f'{name}_ratio_max']:.3f})"]
             lines.append(f"| {hidden} | {batch} | {cache} | {' | '.join(cells)} | {run['tokens_equal']} |")
-    results["load_average_after"] = os.getloadavg()[0]
-    lines.append(f"1-minute load average {results['load_average_before']:.2f} before, "
-                 f"{results['load_average_after']:.2f} after, on {os.cpu_count()} cores")
+    lines.append(load_average_line(results))
     report("\n".join(lines), results, args.json)
     return results
 

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from benchlib import add_json_argument, progress, report
+from benchlib import add_json_argument, load_average_line, progress, report
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import hf_mhc
@@ -220,9 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
             finally:
                 for process, _ in servers.values():
                     stop_server(process)
-    results["load_average_after"] = os.getloadavg()[0]
-    lines.append(f"1-minute load average {results['load_average_before']:.2f} before, "
-                 f"{results['load_average_after']:.2f} after, on {os.cpu_count()} cores")
+    lines.append(load_average_line(results))
     report("\n".join(lines), results, args.json)
     return results
 

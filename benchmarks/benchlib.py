@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,14 @@ def add_json_argument(parser: argparse.ArgumentParser) -> None:
 def progress(message: str) -> None:
     """One progress line on stderr, flushed at once (the scripts run for minutes)."""
     print(message, file=sys.stderr, flush=True)
+
+
+def load_average_line(results: dict) -> str:
+    """Record the 1-minute load average now as ``results["load_average_after"]`` and return the table's line with it
+    and ``results["load_average_before"]`` (the machine's load during the run)."""
+    results["load_average_after"] = os.getloadavg()[0]
+    return (f"1-minute load average {results['load_average_before']:.2f} before, "
+            f"{results['load_average_after']:.2f} after, on {os.cpu_count()} cores")
 
 
 def report(table: str, results: dict, path: Path | None) -> None:
