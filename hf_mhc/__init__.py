@@ -16,6 +16,7 @@ from transformers import (
 
 from . import modeling_mhc
 from .accelerate_fsdp2 import install as _install_accelerate_fsdp2
+from .compat import warn_if_untested
 from .configuration_mhc import SUPPORTED_BACKBONES, MHCConfig
 from .modeling_mhc import *  # noqa: F403  (the mHC model classes: modeling_mhc.__all__)
 
@@ -31,6 +32,7 @@ from .serving import register_with_transformers_serve  # noqa: E402
 register_with_transformers_serve()  # hf-mhc serve: the server's model process (transformers >= 5.25) imports hf_mhc
 
 __version__ = "0.1.0"
+warn_if_untested("transformers")  # once, where the installed transformers is not among those tested
 
 
 def apply_mhc_kernels(model, backend: str | None = None):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import threading
 from collections.abc import Iterator
 
@@ -29,8 +30,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from transformers import AutoModelForCausalLM, PreTrainedConfig, masking_utils
 from transformers.initialization import no_init_weights
-from transformers.integrations import moe
 
+from .compat import require
 from .configuration_mhc import MHCConfig
 from .profiling import held_for_backward
 
@@ -75,7 +76,9 @@ def _forward_as_in_training() -> Iterator[None]:
             query, key, value, None, True, is_causal=is_causal, scale=scale)[0]
 
     with _SUBSTITUTING:  # the originals are read, and back, before another thread takes its own
-        find_packed, can_use_grouped_mm = masking_utils.find_packed_sequence_indices, moe._can_use_grouped_mm
+        moe = importlib.import_module("transformers.integrations.moe")
+        find_packed = require("transformers.masking_utils:find_packed_sequence_indices")
+        can_use_grouped_mm = require("transformers.integrations.moe:_can_use_grouped_mm")
         sdpa = torch.nn.functional.scaled_dot_product_attention
         masking_utils.find_packed_sequence_indices = unpacked
         moe._can_use_grouped_mm = grouped_mm_takes

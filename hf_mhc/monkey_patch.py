@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers.utils.deprecation import deprecate_kwarg
 
+from .compat import unweighted_norm_eps
 from .kernels.functional import mhc_coeffs_pre, mhc_head, mhc_post_res, resolve_backend
 
 
@@ -18,7 +19,7 @@ def _hyper_connection_forward(backend: str | None):
         """``[B, S, n, D]`` -> ``post [B, S, n]``, ``comb [B, S, n, n]``, ``collapsed [B, S, D]``, as upstream."""
         collapsed, post, comb = mhc_coeffs_pre(
             hidden_streams, self.fn, self.base, self.scale, sinkhorn_iters=self.hc_sinkhorn_iters, eps=self.hc_eps,
-            norm_eps=self.input_norm.eps, backend=backend,
+            norm_eps=unweighted_norm_eps(self.input_norm), backend=backend,
         )
         return post, comb, collapsed
 
@@ -27,8 +28,8 @@ def _hyper_connection_forward(backend: str | None):
 
 def _hyper_head_forward(backend: str | None):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mhc_head(x, self.hc_fn, self.hc_base, self.hc_scale, eps=self.eps, norm_eps=self.input_norm.eps,
-                        backend=backend)
+        return mhc_head(x, self.hc_fn, self.hc_base, self.hc_scale, eps=self.eps,
+                        norm_eps=unweighted_norm_eps(self.input_norm), backend=backend)
 
     return forward
 
@@ -95,7 +96,7 @@ def _identity_hyper_connection_forward(backend: str | None):
         (``hc_magnitude·σ(...) + hc_eps``) and ``collapsed [B, S, D]``, as upstream."""
         collapsed, post, _ = mhc_coeffs_pre(
             hidden_streams, self.fn, self.base, self.scale, sinkhorn_iters=1, eps=self.hc_eps,
-            norm_eps=self.input_norm.eps, backend=backend, residual_map="identity",
+            norm_eps=unweighted_norm_eps(self.input_norm), backend=backend, residual_map="identity",
             post_magnitude=self.hc_post_magnitude,
         )
         return post, collapsed

@@ -21,10 +21,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
-from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, _get_parameter_plan
+from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from transformers.distributed.tensor_parallel import TensorParallelLayer, get_kv_heads_per_rank
 
 from .activation_count import ACTIVATION_CASES, activations_held
+from .compat import require
 from .configuration_mhc import MHCConfig, check_attention_heads, check_backbone_type, load_pretrained_config
 from .conversion.convert import DTYPES  # the model dtypes hf-mhc's commands take
 from .conversion.upcycle import is_hc_parameter, mhc_config_for
@@ -168,8 +169,9 @@ def tp_shard_shapes(model: torch.nn.Module, tp: int) -> dict[str, tuple[int, ...
     if get_kv_heads_per_rank(model.tp_plan, [heads, kv_heads], tp) is None:
         raise ValueError(f"tp {tp} does not divide the {heads} attention heads and {kv_heads} key/value heads, which "
                          f"the {config.model_type} TP plan splits by head (every rank holds the same whole heads)")
+    parameter_plan = require("transformers.distributed.parallel_utils:_get_parameter_plan")
     for name, shape in shapes.items():
-        placement = _tp_placement(_get_parameter_plan(name, model.tp_plan), name, len(shape))
+        placement = _tp_placement(parameter_plan(name, model.tp_plan), name, len(shape))
         if placement is None:
             continue
         dim, packed = placement

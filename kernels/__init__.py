@@ -32,7 +32,26 @@ if __name__ == "hf_mhc.kernels":
         "sinkhorn",
     ]
 else:
-    # Imported as a top-level `kernels` because Python runs from the repository root (its folder is on sys.path).
-    # transformers probes for Hugging Face's `kernels` package at import time: stay inert (no version, no imports)
-    # so that the probe finds no usable package instead of importing hf_mhc while transformers is half-initialised.
-    __all__ = []
+    # Imported as a top-level ``kernels`` because the repository root is on ``sys.path`` (Python run from the root:
+    # the REPL, ``python -c``, a script saved there). This folder is hf-mhc's ops, never Hugging Face's ``kernels``
+    # package, which transformers imports when it is installed: hand the import over to that package when it is on the
+    # rest of ``sys.path``. Without it, stay an empty module without a version, which transformers' probe reads as no
+    # usable ``kernels`` package, and whose every attribute says what it is.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _root = os.path.realpath(os.path.dirname(os.path.dirname(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        __name__, [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != _root])
+    if _spec is not None:
+        _package = importlib.util.module_from_spec(_spec)
+        sys.modules[__name__] = _package  # what the running ``import kernels`` returns
+        _spec.loader.exec_module(_package)
+    else:
+        __all__ = []
+
+        def __getattr__(name: str):
+            raise AttributeError(f"`kernels` here is hf-mhc's kernels/ folder (the repository root is on sys.path), "
+                                 f"not Hugging Face's `kernels` package, which is not installed; it has no {name!r}")

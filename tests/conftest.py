@@ -49,6 +49,23 @@ OLD_FP8_CACHE = ("2.13", "transformers' fp8 quantized KV cache gives NaN logits 
 OLD_GLOO_PIPELINE = ("2.13", "torch.distributed.pipelining's schedules fail over gloo (pair not connected)")
 
 
+# The test files that touch a dependency's internals (hf_mhc.compat.PRIVATE_APIS): the server and its checks, the
+# patches of transformers' V4-style models, transformers' own test mixins, DeepSpeed, the families' checkpoint
+# conversion mappings, output capturing and the parallel plans. `make test-compat` runs them (pytest -m compat) on the
+# floor and the newest transformers that pyproject.toml admits.
+COMPAT_TEST_FILES = frozenset({
+    "test_compat.py", "test_serve.py", "test_monkey_patch.py", "test_deepseek_v4_conformance.py",
+    "test_transformers_common.py", "test_parallel_mixins.py", "test_deepspeed.py", "test_families.py",
+    "test_modeling_mhc.py", "test_planning.py",
+})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in COMPAT_TEST_FILES:
+            item.add_marker(pytest.mark.compat)
+
+
 @pytest.fixture
 def on_test_device():
     """Every tensor and module a test creates lives on ``TEST_DEVICE`` (the op tests, ``apply_mhc_kernels``, and the
