@@ -14,6 +14,8 @@ fit the model's context, get HTTP 400 instead of a server error, an empty answer
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import importlib
 import json
 import sys
@@ -21,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import modeling_mhc
+from .compat import SERVE_REJECTS_FULL_CONTEXT, require, serve_max_model_len, text_modality
 
 # The classes a served mHC checkpoint's config can name in ``architectures``.
 SERVED_CLASSES = (modeling_mhc.MHCForCausalLM,)
@@ -38,7 +41,7 @@ def register_with_transformers_serve() -> None:
     importlib.import_module("transformers.processing_utils")
     modules = [sys.modules["transformers"]]
     if "transformers.cli.serving.model_manager" in sys.modules:  # imported earlier: the object its lookup reads
-        modules.append(sys.modules["transformers.cli.serving.model_manager"].transformers)
+        modules.append(require("transformers.cli.serving.model_manager:transformers"))
     for module in modules:
         for model_class in SERVED_CLASSES:
             if getattr(module, model_class.__name__, None) is None:
@@ -74,64 +77,94 @@ def context_error(prompt_tokens: int, max_new_tokens: int | None, context: int,
     return None
 
 
-def reject_bad_generation_requests(app, model_manager, chat_handler, completion_handler) -> None:
-    """Add to ``app`` (built by ``transformers.cli.serving.server.build_server``, not started yet) a middleware that
-    answers a ``POST`` to ``/v1/completions`` or ``/v1/chat/completions`` with HTTP 400 ``{"detail": message}``
-    (transformers' own 400s' shape) when a field of :data:`MAX_TOKENS_FIELDS` is given and is not a positive integer,
-    or when the prompt's tokens (a chat's through the chat template, as its handler applies it; text models only)
-    fill the model's ``max_position_embeddings`` or, with the new-token count the request gives, exceed it.
+@functools.cache
+def served_text_model(model_id: str) -> tuple[Any, Any] | None:
+    """``(config, tokenizer)`` of the text model ``model_id`` (a folder or a Hub id, read as the server reads it), or
+    ``None`` for a model these checks do not judge: one whose config or tokenizer does not load this way (a
+    ``repo@revision`` or GGUF id, a processor-only model) or that is not a text model. Loaded once per id."""
+    from transformers import AutoConfig, AutoTokenizer
 
-    Every other request reaches transformers' routes unchanged, those that transformers rejects itself (unexpected
-    fields, a model other than the served one, a prompt that is not a string, a body that is not a JSON object)
-    included: its own handlers' checks run first. The middleware sits inside transformers' request-id one, so a 400
-    carries the ``x-request-id`` header as transformers' own do.
+    try:
+        config = AutoConfig.from_pretrained(model_id)
+        tokenizer = AutoTokenizer.from_pretrained(model_id)
+    except (OSError, ValueError, KeyError):
+        return None
+    if getattr(config, "vision_config", None) is not None or getattr(config, "audio_config", None) is not None:
+        return None
+    return config, tokenizer
+
+
+def reject_bad_generation_requests(app, model_manager, chat_handler, completion_handler) -> None:
+    """Add to ``app`` (built by transformers' ``build_server``, not started yet) a middleware that answers a ``POST``
+    to ``/v1/completions`` or ``/v1/chat/completions`` with HTTP 400 ``{"detail": message}`` (transformers' own 400s'
+    shape) when a field of :data:`MAX_TOKENS_FIELDS` is given and is not a positive integer, or when the prompt's
+    tokens (a chat's through the chat template, as its handler applies it; text models only) fill the served model's
+    context (``max_position_embeddings``, or transformers' ``--max-model-len`` where it has one) or, with the
+    new-token count the request gives, exceed it.
+
+    The checks read the request body, the served model's own config and tokenizer (:func:`served_text_model`) and the
+    server's chat template arguments, never a handler's private method. A prompt that fills the context is left to
+    transformers where it rejects it itself (:data:`hf_mhc.compat.SERVE_REJECTS_FULL_CONTEXT`), so its answer is
+    transformers'. Every request these checks do not reject reaches transformers' routes unchanged: a body that is
+    not a JSON object (or nests past Python's recursion limit), a model other than the pinned one, a prompt that is
+    not a string, a model not judged. The middleware sits inside transformers' request-id one, so a 400 carries the
+    ``x-request-id`` header as transformers' own do.
     """
-    from fastapi import HTTPException
     from fastapi.responses import JSONResponse
     from starlette.middleware import Middleware
     from starlette.middleware.base import BaseHTTPMiddleware
-    from transformers.cli.serving.utils import Modality
 
     handlers = {"/v1/completions": completion_handler, "/v1/chat/completions": chat_handler}
 
-    def bad_request_message(path: str, body: dict) -> str | None:
-        handler = handlers[path]
-        try:  # transformers' own checks of this request: what they reject, its route rejects itself
-            handler._validate_request(body)
-            _, model, processor = handler._resolve_model(dict(body))
-        except HTTPException:
-            return None
-        message = max_tokens_error(body, MAX_TOKENS_FIELDS[path])
-        context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-        if message is not None or context is None:
-            return message
+    def prompt_tokens(path: str, body: dict, tokenizer) -> int | None:
+        """The request's prompt tokens as its handler builds them; ``None`` when its prompt is not for these checks."""
         if path == "/v1/completions":
-            if not isinstance(body.get("prompt", ""), str):
-                return None
-            tokenizer = getattr(processor, "tokenizer", processor)
-            prompt_tokens = len(tokenizer(body.get("prompt", ""))["input_ids"])
-        else:
-            modality = model_manager.get_model_modality(model, processor=processor)
-            if modality != Modality.LLM or "messages" not in body:
-                return None
-            inputs = processor.apply_chat_template(
-                handler.get_processor_inputs_from_messages(body["messages"], modality), add_generation_prompt=True,
-                tools=body.get("tools"), return_dict=True, tokenize=True,
-                **{**handler.chat_template_kwargs, **body.get("chat_template_kwargs", {})})
-            prompt_tokens = len(inputs["input_ids"])
+            prompt = body.get("prompt", "")
+            return len(tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else None
+        if not isinstance(body.get("messages"), list):
+            return None
+        handler = handlers[path]
+        messages = handler.get_processor_inputs_from_messages(body["messages"], text_modality())
+        template_kwargs = {**handler.chat_template_kwargs, **(body.get("chat_template_kwargs") or {})}
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=body.get("tools"),
+                                               tokenize=True, return_dict=True, **template_kwargs)
+        return len(inputs["input_ids"])
+
+    def bad_request_message(path: str, body: dict) -> str | None:
+        message = max_tokens_error(body, MAX_TOKENS_FIELDS[path])
+        if message is not None:
+            return message
+        requested, pinned = body.get("model"), model_manager.force_model
+        if pinned is not None and requested not in (None, pinned):
+            return None  # transformers answers: the server is pinned to another model
+        model = served_text_model(pinned if pinned is not None else requested) if (pinned or requested) else None
+        if model is None:
+            return None
+        config, tokenizer = model
+        limits = [getattr(config.get_text_config(decoder=True), "max_position_embeddings", None),
+                  serve_max_model_len(chat_handler)]
+        limits = [limit for limit in limits if limit is not None]
+        tokens = prompt_tokens(path, body, tokenizer) if limits else None
+        if tokens is None:
+            return None
+        context = min(limits)
+        if tokens >= context and SERVE_REJECTS_FULL_CONTEXT:
+            return None  # transformers answers 400 itself, with its own message
         given = [field for field in MAX_TOKENS_FIELDS[path] if body.get(field) is not None]
         if not given:
-            return context_error(prompt_tokens, None, context)
-        return context_error(prompt_tokens, body[given[0]], context, given[0])
+            return context_error(tokens, None, context)
+        return context_error(tokens, body[given[0]], context, given[0])
 
     async def dispatch(request, call_next: Callable[[Any], Any]):
         if request.method != "POST" or request.url.path not in handlers:
             return await call_next(request)
         try:
             body = json.loads(await request.body())  # Starlette keeps the body for the route
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to parse: transformers answers
             return await call_next(request)
-        message = bad_request_message(request.url.path, body) if isinstance(body, dict) else None
+        if not isinstance(body, dict):
+            return await call_next(request)
+        message = await asyncio.to_thread(bad_request_message, request.url.path, body)
         if message is None:
             return await call_next(request)
         return JSONResponse({"detail": message}, status_code=400)
@@ -148,10 +181,10 @@ def serve(arguments: Sequence[str]) -> int:
     if not is_serve_available():
         raise ImportError(f"serving needs fastapi, uvicorn, pydantic and openai: {SERVE_REQUIREMENTS}")
     import click
-    from transformers.cli.serving import server
-    from transformers.cli.transformers import app
 
-    build_server = server.build_server
+    app = require("transformers.cli.transformers:app")
+    build_server = require("transformers.cli.serving.server:build_server")
+    server = sys.modules["transformers.cli.serving.server"]
 
     def build_checked_server(model_manager, chat_handler, completion_handler, *args, **kwargs):
         checked = build_server(model_manager, chat_handler, completion_handler, *args, **kwargs)

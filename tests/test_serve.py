@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import hf_mhc
 from hf_mhc.cli import main as hf_mhc_main
+from hf_mhc.compat import SERVE_REJECTS_FULL_CONTEXT
 from hf_mhc.serving import MAX_TOKENS_FIELDS, SERVED_CLASSES, context_error, max_tokens_error
 
 NEEDS_SERVING = "hf-mhc serve's tests need the serving extra: pip install 'hf-mhc[serving]'"
@@ -215,6 +217,25 @@ def test_sixteen_concurrent_requests_answer_as_one_at_a_time(server):
     assert concurrent == one_at_a_time
 
 
+def full_context_message(prompt_tokens: int, context: int = 512) -> str:
+    """The 400 message for a prompt that fills the context: transformers' own where it checks that itself (5.25 on),
+    hf-mhc serve's before."""
+    if SERVE_REJECTS_FULL_CONTEXT:
+        return (f"The prompt has {prompt_tokens} tokens, but the model takes at most {context}, prompt and answer "
+                "(`--max-model-len`).")
+    return context_error(prompt_tokens, None, context)
+
+
+def post_raw(url: str, body: bytes) -> tuple[int, dict]:
+    """``POST body`` to ``url`` as JSON; the status and the decoded answer."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"null")
+
+
 def test_bad_requests_get_http_400_and_the_server_keeps_serving(server, reference):
     client, url = server
     greedy, tokenizer = reference
@@ -240,12 +261,10 @@ def test_bad_requests_get_http_400_and_the_server_keeps_serving(server, referenc
         ("chat", dict(messages=hi, max_tokens=-3), "`max_tokens` must be a positive integer; got -3."),
         ("chat", dict(messages=hi, max_completion_tokens=-1, max_tokens=4),
          "`max_completion_tokens` must be a positive integer; got -1."),
-        ("completions", dict(prompt=long_prompt, max_tokens=4),
-         f"The prompt has {prompt_tokens} tokens; the model's context is 512 tokens."),
-        ("completions", dict(prompt=long_prompt, stream=True),
-         f"The prompt has {prompt_tokens} tokens; the model's context is 512 tokens."),
-        ("chat", dict(messages=long_chat, max_tokens=4, stream=True),
-         f"The prompt has {chat_tokens} tokens; the model's context is 512 tokens."),
+        ("completions", dict(prompt=long_prompt, max_tokens=4), full_context_message(prompt_tokens)),
+        ("completions", dict(prompt=long_prompt, stream=True), full_context_message(prompt_tokens)),
+        ("chat", dict(messages=long_chat, max_tokens=4, stream=True), full_context_message(chat_tokens)),
+        ("completions", dict(prompt=long_prompt, max_tokens=-1), "`max_tokens` must be a positive integer; got -1."),
         ("completions", dict(prompt=PROMPTS[3], max_tokens=512 - short_tokens + 1),
          f"The prompt's {short_tokens} tokens and max_tokens={512 - short_tokens + 1} exceed the model's context "
          "of 512 tokens."),
@@ -261,6 +280,9 @@ def test_bad_requests_get_http_400_and_the_server_keeps_serving(server, referenc
         assert error.value.status_code == 400, (endpoint, bad)
         assert error.value.response.json() == {"detail": message}
         assert error.value.response.headers["x-request-id"]  # set by transformers' middleware, as on its own 400s
+    for endpoint in ("completions", "chat/completions"):  # nested past Python's recursion limit: plain transformers'
+        status, answer = post_raw(f"{url}/v1/{endpoint}", b"[" * 100_000 + b"]" * 100_000)  # answer, not a 500
+        assert status == 400, (endpoint, status, answer)
     expected = greedy(tokenizer(PROMPTS[3], return_tensors="pt").input_ids, MAX_TOKENS[3])
     assert complete(client, PROMPTS[3], MAX_TOKENS[3], False) == expected
 
