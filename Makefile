@@ -20,7 +20,7 @@ DEEPSPEED       ?= deepspeed==0.19.8
 HAVE       ?= tools/node-freeze.txt
 GPU_PYTHON ?= $(PY)
 
-.PHONY: demo test test-other-cpu lint docs install deepspeed wheelhouse gpu-check
+.PHONY: demo test test-compat test-other-cpu lint docs install deepspeed wheelhouse gpu-check
 
 install: $(STAMP)
 
@@ -55,6 +55,12 @@ test: $(STAMP) $(DEEPSPEED_STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
+# The tests that touch transformers' internals (pytest -m compat) on the floor and the newest transformers that
+# pyproject.toml admits, each in a side environment under .venv/compat, then a summary line per release
+# (tools/test_compat.py; COMPAT_ARGS="--versions 5.24.0" picks releases, COMPAT_ARGS="-- -x" passes pytest options).
+test-compat: $(STAMP) $(DEEPSPEED_STAMP)
+	$(PY) tools/test_compat.py $(COMPAT_ARGS)
+
 # The suite on other CPU kernels of this machine: MKL's SSE4.2 path and torch's AVX2 kernels, as another x86 CPU would
 # take them (tolerances must hold on any of them).
 test-other-cpu: $(STAMP) $(DEEPSPEED_STAMP)
@@ -67,4 +73,6 @@ wheelhouse: $(STAMP)
 	$(PY) tools/wheelhouse.py --have $(HAVE) --out wheelhouse
 
 gpu-check:
+	$(if $(shell command -v $(GPU_PYTHON) 2>/dev/null),,$(error $(GPU_PYTHON) not found: run 'make install' first, \
+	or name the node's Python with GPU_PYTHON=... (docs/gpu-node.md)))
 	$(GPU_PYTHON) benchmarks/gpu_check.py $(ARGS)

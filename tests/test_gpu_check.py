@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,16 @@ def gpu_check(monkeypatch):
 
 def without_cuda() -> dict[str, str]:
     return os.environ | {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_make_gpu_check_without_its_python_says_what_to_do_in_one_line(tmp_path):
+    """In a clone without ``.venv`` (here: the Makefile alone in a folder), one line, and no command is run."""
+    (tmp_path / "Makefile").write_text((ROOT / "Makefile").read_text())
+    result = subprocess.run(["make", "-s", "gpu-check"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert re.fullmatch(r"Makefile:\d+: \*\*\* \.venv/bin/python not found: run 'make install' first, or name the "
+                        r"node's Python with GPU_PYTHON=\.\.\. \(docs/gpu-node\.md\)\.  Stop\.", result.stderr.strip())
 
 
 @pytest.mark.parametrize("quick", [False, True])
