@@ -14,19 +14,39 @@ the eager torch kernels when the fast path is off. In eager mode the kernels are
 dispatcher.
 
 The source is JIT-built once with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, the ``ninja`` package of
-the dependencies) into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), under a name that hashes the
-source, the flags and the torch and Python versions, so later processes load the built library. A failed build warns
-once with its reason and the eager torch kernels run instead. ``HF_MHC_CPU_DECODE=0`` turns the fast path off.
+the dependencies) to ``$TORCH_EXTENSIONS_DIR/NAME/NAME.so`` (default ``~/.cache/torch_extensions``), ``NAME`` hashing
+the source, the flags and the torch and Python versions. Loading never hangs:
+
+- A built library is imported directly (as torch's loader imports it), with no lock and no compiler: torch's
+  ``cpp_extension.load`` takes the file lock ``NAME/lock`` on every load and waits for it forever, so a process
+  killed while holding it would block every later one.
+- Only a build takes a lock, ``NAME/build.lock``, held with ``flock``, which the kernel releases when its holder
+  exits, however it is killed. A process that finds it held waits (one line on stderr) for at most ``LOCK_WAIT_S``,
+  then loads the library the holder built (or builds it, if the holder died first); past that it warns once, naming
+  the lock file and how to remove it, and the eager torch kernels run.
+- The build runs in a private folder ``NAME/build-PID@HOST-*`` (torch's own lock is taken there, where no other
+  process looks) and the library is moved to ``NAME/NAME.so`` by one rename, so that path holds a complete library or
+  nothing. Two builds at once (the lock file deleted meanwhile) each rename a complete library there and both work.
+  Folders of builds killed on this host are removed by the next build.
+
+A failed build warns once with its reason and the eager torch kernels run instead. ``HF_MHC_CPU_DECODE=0`` turns the
+fast path off.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
+import importlib.util
 import math
 import os
+import shutil
+import socket
 import sys
+import tempfile
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -43,6 +63,10 @@ FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not DTensor or other subclasses, whose data the C++ cannot read
 ENV_SWITCH = "HF_MHC_CPU_DECODE"
 CFLAGS = ["-O3"]
+BUILD_LOCK = "build.lock"  # beside the library: held (flock) by the one process that builds it
+PRIVATE_BUILD_PREFIX = "build-"  # a build's own folder beside the library: build-PID@HOST-RANDOM
+LOCK_WAIT_S = 180.0  # the longest wait for another process's build (one takes 1 to 2 minutes on 2 busy cores)
+LOCK_POLL_S = 0.1
 
 
 def enabled() -> bool:
@@ -77,26 +101,121 @@ def _ninja_on_path():
         os.environ["PATH"] = path
 
 
-def build() -> ModuleType:
-    """Build (once per source and torch version; later processes load the cached library) and import the kernels."""
+def library_path(name: str) -> Path:
+    """Where the built library of ``name`` lies: ``$TORCH_EXTENSIONS_DIR/NAME/NAME.so``."""
+    return build_directory(name) / f"{name}.so"
+
+
+def import_library(name: str, path: Path) -> ModuleType:
+    """The module ``name`` of the built library ``path``, imported as torch's loader does, with no lock."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class LockTimeout(TimeoutError):
+    """Another process held the build lock ``path`` for ``LOCK_WAIT_S``."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"{path} held for {LOCK_WAIT_S:g} s")
+        self.path = path
+
+
+@contextlib.contextmanager
+def build_lock(path: Path):
+    """Hold ``path`` exclusively for the block, waiting at most ``LOCK_WAIT_S`` (then :class:`LockTimeout`).
+
+    An ``flock``, which the kernel releases when its holder exits, however it is killed: a lock file left behind is
+    never held. Where the file system has no locks, the block runs unlocked (a build is safe without it, see
+    :func:`compile_library`)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline, waiting = time.monotonic() + LOCK_WAIT_S, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LockTimeout(path) from None
+                if not waiting:
+                    print(f"waiting for another process's build of hf-mhc's CPU decode kernels (lock {path}) ...",
+                          file=sys.stderr, flush=True)
+                    waiting = True
+                time.sleep(min(LOCK_POLL_S, left))
+            except OSError:  # no locks on this file system
+                break
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def compile_library(name: str, library: Path) -> ModuleType:
+    """Compile the kernels in a private folder beside ``library``, move the library into place with one rename (over
+    whatever another build put there meanwhile: both are complete) and import it."""
     from torch.utils import cpp_extension
 
+    _remove_abandoned_builds(library.parent)
+    owner = f"{os.getpid()}@{socket.gethostname()}"
+    private = Path(tempfile.mkdtemp(prefix=f"{PRIVATE_BUILD_PREFIX}{owner}-", dir=library.parent))
+    try:
+        with _ninja_on_path():
+            module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(private),
+                                        verbose=False)
+        built = Path(module.__file__)
+        if built.name != library.name:  # a second build in one process, which torch names NAME_v1: use it as it is
+            return module
+        os.replace(built, library)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    return import_library(name, library)
+
+
+def _remove_abandoned_builds(directory: Path) -> None:
+    """Delete the private folders of builds on this host whose process no longer exists."""
+    for entry in directory.glob(f"{PRIVATE_BUILD_PREFIX}*@*-*"):
+        pid, _, rest = entry.name[len(PRIVATE_BUILD_PREFIX):].partition("@")
+        if pid.isdigit() and rest.rsplit("-", 1)[0] == socket.gethostname() and not _process_alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def build() -> ModuleType:
+    """Import the built kernels, building them first if no process has (once per source and torch version)."""
     name = extension_name()
-    directory = build_directory(name)
-    if not (directory / f"{name}.so").exists():
+    library = library_path(name)
+    if library.exists():  # built: no lock, no compiler
+        return import_library(name, library)
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with build_lock(library.parent / BUILD_LOCK):
+        if library.exists():  # built by the process this one waited for
+            return import_library(name, library)
         print("building hf-mhc's CPU decode kernels (once) ...", file=sys.stderr, flush=True)
-    directory.mkdir(parents=True, exist_ok=True)
-    with _ninja_on_path():
-        return cpp_extension.load(name, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(directory),
-                                  verbose=False)
+        return compile_library(name, library)
 
 
 @functools.cache
 def extension() -> ModuleType | None:
     """The built C++ extension (the kernels of ``cpu_decode.cpp``), or ``None`` after warning once why the build
-    failed (the eager torch kernels then run)."""
+    failed or that another process's build held the lock past ``LOCK_WAIT_S`` (the eager torch kernels then run)."""
     try:
         return build()
+    except LockTimeout as error:
+        warnings.warn(f"hf-mhc's CPU decode kernels: another process held the build lock {error.path} for "
+                      f"{LOCK_WAIT_S:g} s; decoding on CPU runs the eager torch kernels. If no hf-mhc build is "
+                      f"running, remove the lock: rm {error.path}", RuntimeWarning, stacklevel=2)
+        return None
     except Exception as error:  # a missing compiler or ninja, a failed compile: every cause says why in its message
         reason = " ".join(str(error).split())[:500] or type(error).__name__
         warnings.warn(f"hf-mhc's CPU decode kernels failed to build ({reason}); decoding on CPU runs the eager torch "

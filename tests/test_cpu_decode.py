@@ -1,20 +1,31 @@
 """The CPU decode fast path (``kernels/cpu_decode.py``, ``cpu_decode.cpp``): its numbers against the float64 oracle
-for every residual map and stream dtype, when the ops dispatch to it, greedy generation through it, and the one warning
-when it cannot be built. The kernels are JIT-built once per machine, then loaded from the torch extensions cache.
+for every residual map and stream dtype, when the ops dispatch to it, greedy generation through it, the one warning
+when it cannot be built, and its loading, which never hangs on a lock. The kernels are JIT-built once per machine, then
+loaded from the torch extensions cache; the loading tests copy that library into a folder of their own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import fcntl
 import functools
 import itertools
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
 import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import assert_same_greedy_decoding, tiny_backbone_config
 from reference_check import check_against_reference, random_head_params, random_site_params
+from torch.utils import cpp_extension
 from transformers import AutoModelForCausalLM
 
 import hf_mhc
@@ -222,16 +233,246 @@ def run_site_output():
         return run_site()
 
 
-def test_progress_line_only_when_it_really_compiles(tmp_path, monkeypatch, capsys):
-    from torch.utils import cpp_extension
-
+def fake_load(calls: list, seconds: float = 0.0):
+    """``cpp_extension.load`` without a compiler: writes ``NAME.so`` (the caller's text) where torch would, after
+    ``seconds``, and returns a module standing for it."""
     def load(name, sources, build_directory, **options):
-        (tmp_path / name / f"{name}.so").write_bytes(b"")  # what a real build leaves
-        return "module"
+        calls.append(build_directory)
+        time.sleep(seconds)
+        library = Path(build_directory) / f"{name}.so"
+        library.write_text(f"built in {build_directory}")
+        return types.SimpleNamespace(__file__=str(library))
+    return load
 
+
+@pytest.fixture
+def fake_builds(tmp_path, monkeypatch):
+    """An empty extensions folder, ``load`` faked (the folders it built in) and ``import_library`` reading the text
+    of the library it is given."""
+    calls = []
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(cpp_extension, "load", load)
-    assert cpu_decode.build() == "module"
+    monkeypatch.setattr(cpp_extension, "load", fake_load(calls))
+    monkeypatch.setattr(cpu_decode, "import_library", lambda name, path: path.read_text())
+    return calls
+
+
+def test_progress_line_only_when_it_really_compiles(fake_builds, capsys):
+    """The first build compiles in a private folder and renames the library into place; the second loads it."""
+    name = cpu_decode.extension_name()
+    first = cpu_decode.build()
     assert capsys.readouterr().err == "building hf-mhc's CPU decode kernels (once) ...\n"
-    assert cpu_decode.build() == "module"
-    assert capsys.readouterr().err == ""
+    assert len(fake_builds) == 1 and first == f"built in {fake_builds[0]}"
+    assert Path(fake_builds[0]).parent == cpu_decode.build_directory(name)
+    assert Path(fake_builds[0]).name.startswith(cpu_decode.PRIVATE_BUILD_PREFIX)
+    assert cpu_decode.build() == first
+    assert capsys.readouterr().err == "" and len(fake_builds) == 1
+    assert sorted(os.listdir(cpu_decode.build_directory(name))) == [cpu_decode.BUILD_LOCK, f"{name}.so"]
+
+
+@pytest.mark.parametrize("locked", [True, False], ids=["locked", "lock-deleted"])
+def test_two_builds_at_once_both_end_with_a_complete_library(fake_builds, monkeypatch, locked):
+    """Two builds at once (threads here; the lock is per open file, so they exclude each other as processes do): the
+    second waits and loads the first's library. With the lock deleted meanwhile (``build_lock`` a no-op here) both
+    compile, each renames a complete library into place and loads whichever is there."""
+    monkeypatch.setattr(cpp_extension, "load", fake_load(fake_builds, seconds=0.5))
+    if not locked:
+        monkeypatch.setattr(cpu_decode, "build_lock", lambda path: contextlib.nullcontext())
+    results = [None, None]
+
+    def build(index):
+        results[index] = cpu_decode.build()
+
+    threads = [threading.Thread(target=build, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    name = cpu_decode.extension_name()
+    complete = {f"built in {folder}" for folder in fake_builds}
+    assert len(fake_builds) == (1 if locked else 2)
+    assert set(results) <= complete and None not in results
+    assert (cpu_decode.build_directory(name) / f"{name}.so").read_text() in complete
+    assert [entry for entry in os.listdir(cpu_decode.build_directory(name))
+            if entry.startswith(cpu_decode.PRIVATE_BUILD_PREFIX)] == []
+
+
+ANSWER_TIMEOUT_S = 60  # "never hang" for a process started after a killed one (it needs about 20 s on 2 busy cores)
+
+
+def wait_for(condition, process: subprocess.Popen, what: str, timeout_s: float = 120) -> None:
+    """Poll ``condition`` until it holds, failing when ``process`` exits first or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert process.poll() is None, f"the process meant to {what} exited with {process.returncode}"
+        assert time.monotonic() < deadline, f"the process meant to {what} did not within {timeout_s} s"
+        time.sleep(0.1)
+
+
+def kill(process: subprocess.Popen) -> None:
+    process.kill()  # SIGKILL: nothing of its own runs, as after a timeout's kill -9 or an OOM kill
+    process.wait(timeout=30)
+
+
+def copy_built_library(built, extensions: Path) -> Path:
+    """The folder of ``built``'s library under ``extensions``, with a copy of the library: built by an earlier
+    process."""
+    name = cpu_decode.extension_name()
+    folder = extensions / name
+    folder.mkdir(parents=True)
+    shutil.copy(cpu_decode.build_directory(name) / f"{name}.so", folder / f"{name}.so")
+    return folder
+
+
+HOLD_TORCH_LOCK = """
+import sys, time
+from torch.utils.file_baton import FileBaton
+assert FileBaton(sys.argv[1]).try_acquire()  # what torch.utils.cpp_extension.load does on every load, built or not
+time.sleep(600)
+"""
+
+GENERATE = """
+import torch
+from transformers import LlamaConfig
+import hf_mhc
+from hf_mhc.kernels import cpu_decode
+backbone = LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+model = hf_mhc.MHCForCausalLM(hf_mhc.MHCConfig(backbone_config=backbone, hc_mult=4)).eval()
+out = model.generate(torch.tensor([[1, 5, 7]]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+print(out.shape[1], cpu_decode.extension() is not None)
+"""
+
+
+def test_a_process_killed_holding_the_lock_does_not_hang_the_next(built, tmp_path):
+    """A process killed while holding torch's extension lock (Ctrl-C or a timeout during a first forward) leaves the
+    lock file behind; the next process's ``generate`` on CPU takes the fast path at once instead of waiting for it."""
+    folder = copy_built_library(built, tmp_path / "extensions")
+    lock = folder / "lock"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(folder.parent), "OMP_NUM_THREADS": "1"}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_TORCH_LOCK, str(lock)], cwd=tmp_path, env=env)
+    try:
+        wait_for(lock.exists, holder, "take torch's lock")
+    finally:
+        kill(holder)
+    assert lock.exists()
+    try:
+        result = subprocess.run([sys.executable, "-c", GENERATE], cwd=tmp_path, env=env, capture_output=True,
+                                text=True, timeout=ANSWER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"generate did not answer within {ANSWER_TIMEOUT_S} s after a process was killed holding {lock}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["7", "True"]  # 3 + 4 tokens, through the C++ kernels
+    assert "building" not in result.stderr and "waiting" not in result.stderr
+
+
+BUILD_UNTIL_KILLED = """
+import time
+from pathlib import Path
+from torch.utils import cpp_extension
+from hf_mhc.kernels import cpu_decode
+
+def load(name, sources, build_directory, **options):  # a compile that is killed halfway
+    (Path(build_directory) / "cpu_decode.o").write_text("half")
+    time.sleep(600)
+
+cpp_extension.load = load
+cpu_decode.build()
+"""
+
+
+def test_a_build_killed_midway_leaves_nothing_that_blocks_the_next(fake_builds, tmp_path, monkeypatch, capsys):
+    """A process killed while building holds hf-mhc's build lock and torch's lock in its private folder: the next
+    build takes the lock at once (the kernel released it), removes the dead build's folder and installs its own."""
+    name = cpu_decode.extension_name()
+    folder = cpu_decode.build_directory(name)
+    builder = subprocess.Popen([sys.executable, "-c", BUILD_UNTIL_KILLED], cwd=tmp_path,
+                               env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"})
+    try:
+        wait_for(lambda: any(folder.glob(f"{cpu_decode.PRIVATE_BUILD_PREFIX}*/cpu_decode.o")), builder,
+                 "start a build")
+    finally:
+        kill(builder)
+    monkeypatch.setattr(cpu_decode, "LOCK_WAIT_S", 30.0)
+    start = time.monotonic()
+    assert cpu_decode.build() == f"built in {fake_builds[0]}"
+    assert time.monotonic() - start < 10
+    assert capsys.readouterr().err == "building hf-mhc's CPU decode kernels (once) ...\n"  # no wait
+    assert sorted(os.listdir(folder)) == [cpu_decode.BUILD_LOCK, f"{name}.so"]
+
+
+@contextlib.contextmanager
+def held(path: Path):
+    """``path`` locked as a live build holds it (a lock of its own open file, so it excludes this process too)."""
+    with open(path, "w") as file:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+
+
+def no_build(*args, **kwargs):
+    raise AssertionError("cpp_extension.load called: it takes torch's lock, and would build")
+
+
+def fresh_extension():
+    """``cpu_decode.extension()`` as a new process's first call would run it, failing on any warning."""
+    cpu_decode.extension.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            return cpu_decode.extension()
+    finally:
+        cpu_decode.extension.cache_clear()
+
+
+def test_a_built_library_loads_without_the_lock(built, tmp_path, monkeypatch):
+    """An already-built library is imported directly: no ``cpp_extension.load`` (which takes torch's lock on every
+    load), no lock file created, and neither a stale torch lock nor a build lock held by a live process delays it."""
+    folder = copy_built_library(built, tmp_path)
+    name = cpu_decode.extension_name()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", no_build)
+    streams = torch.randn(2, 1, 4, HIDDEN)
+    head_params = random_head_params(4, HIDDEN)
+    expected = built.head(streams, *head_params, 1e-6, 1e-6)
+
+    module = fresh_extension()
+    assert module is not None
+    torch.testing.assert_close(module.head(streams, *head_params, 1e-6, 1e-6), expected, rtol=0, atol=0)
+    assert os.listdir(folder) == [f"{name}.so"]
+
+    (folder / "lock").touch()  # left by a process killed inside cpp_extension.load
+    monkeypatch.setattr(cpu_decode, "LOCK_WAIT_S", 5.0)  # a wait, if the load waited, would warn
+    with held(folder / cpu_decode.BUILD_LOCK):
+        start = time.monotonic()
+        module = fresh_extension()
+        assert time.monotonic() - start < 5
+    torch.testing.assert_close(module.head(streams, *head_params, 1e-6, 1e-6), expected, rtol=0, atol=0)
+
+
+def test_a_build_held_past_the_wait_warns_naming_the_lock_and_runs_eager(tmp_path, monkeypatch, capsys):
+    """When another process holds the build lock past ``LOCK_WAIT_S`` (a live build that does not end), one
+    RuntimeWarning line names the lock file and how to remove it, and the eager torch kernels run."""
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    reference = run_site_output()  # the eager torch kernels
+    monkeypatch.delenv(cpu_decode.ENV_SWITCH)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", no_build)
+    monkeypatch.setattr(cpu_decode, "LOCK_WAIT_S", 0.5)
+    lock = cpu_decode.build_directory(cpu_decode.extension_name()) / cpu_decode.BUILD_LOCK
+    lock.parent.mkdir(parents=True)
+    cpu_decode.extension.cache_clear()
+    try:
+        with held(lock), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            start = time.monotonic()
+            first, second = run_site_output(), run_site_output()
+            elapsed = time.monotonic() - start
+    finally:
+        cpu_decode.extension.cache_clear()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert f"held the build lock {lock} for 0.5 s" in messages[0] and f"rm {lock}" in messages[0]
+    assert "\n" not in messages[0] and elapsed < 10
+    assert capsys.readouterr().err == (f"waiting for another process's build of hf-mhc's CPU decode kernels "
+                                       f"(lock {lock}) ...\n")
+    torch.testing.assert_close(first, reference, rtol=0, atol=0)  # bit-exact: the same eager kernels, same tensors
+    torch.testing.assert_close(second, reference, rtol=0, atol=0)
