@@ -73,6 +73,7 @@ from example_utils import (  # noqa: E402
     has_text,
     hc_mult_or_default,
     innermost_message,
+    learning_rate,
     load_causal_lm,
     load_config,
     perplexity,
@@ -151,7 +152,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     add_example_option(train, "--steps", default=100)
     train.add_argument("--batch-size", type=int, default=8, help="sequences per device per step (default 8)")
     train.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
-    train.add_argument("--lr", type=float, default=None, help="peak learning rate (default 5e-4, 2e-3 with --lora)")
+    train.add_argument("--lr", type=learning_rate, default=None,
+                       help="peak learning rate (default 5e-4, 2e-3 with --lora)")
     add_example_option(train, "--warmup-steps")
     add_example_option(train, "--weight-decay")
     train.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast, float32 master weights)")
@@ -183,8 +185,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         if not STORIES260K.is_dir():
             parser.error("--model is required (the default ../shared/assets/stories260K is not present)")
         args.model, args.upcycle = str(STORIES260K), True
-    positive = ("steps", "batch_size", "grad_accum", "block_size", "logging_steps", "lora_r", "lora_alpha",
-                "save_total_limit")
+    positive = ("steps", "batch_size", "grad_accum", "logging_steps", "lora_r", "lora_alpha", "save_total_limit")
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     train.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
     train.add_argument("--microbatches", type=int, default=2,
                        help="microbatches per step; must divide --batch-size (default 2)")
-    train.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate (default 5e-4)")
+    train.add_argument("--lr", type=example_utils.learning_rate, default=5e-4,
+                       help="peak AdamW learning rate (default 5e-4)")
     add_example_option(train, "--warmup-steps")
     add_example_option(train, "--weight-decay")
     train.add_argument("--max-grad-norm", type=float, default=1.0,
@@ -122,11 +123,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         if not example_utils.STORIES260K.is_dir():
             parser.error("--model is required (the default ../shared/assets/stories260K is not present)")
         args.model, args.upcycle = str(example_utils.STORIES260K), True
-    for name in ("steps", "batch_size", "microbatches", "block_size"):
+    for name in ("steps", "batch_size", "microbatches"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.lr > 0:
-        parser.error(f"--lr must be > 0, got {args.lr}")
     if args.save_every < 0 or args.max_grad_norm < 0:
         parser.error("--save-every and --max-grad-norm must be >= 0")
     if args.hc_mult is not None and not args.upcycle:

@@ -181,6 +181,31 @@ def test_bad_input_gets_a_one_line_error(example, tiny_llama_dir, text_files, tm
     assert "--merge-lora needs --lora" in usage_error(example, [*upcycle, "--merge-lora"], capsys)
 
 
+BAD_TRAINING_OPTIONS = [  # (option, value, the error after "argument OPTION: ")
+    ("--block-size", "1", "must be >= 2 (each token is trained to predict the next one in its block), got 1"),
+    ("--lr", "-1", "must be a finite number > 0, got -1"),
+    ("--lr", "nan", "must be a finite number > 0, got nan"),
+    ("--lr", "inf", "must be a finite number > 0, got inf"),
+    ("--warmup-steps", "-5", "must be >= 0, got -5"),
+    ("--weight-decay", "-1", "must be a finite number >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize(("option", "value", "message"), BAD_TRAINING_OPTIONS)
+def test_a_bad_training_option_is_refused_before_anything_is_loaded(
+    example, option, value, message, tiny_llama_dir, text_files, tmp_path, capsys, datasets_cache
+):
+    """One line, status 2, nothing written: a block of one token trains on nothing, and the rest would fail (or train
+    wrongly) only after loading the model. Checked when the options are parsed, before any path (here a --model that
+    does not exist)."""
+    out = tmp_path / "out"
+    argv = tiny_run(tiny_llama_dir, text_files / "*.txt", "--output-dir", str(out), option, value)
+    assert usage_error(example, argv, capsys).endswith(f"error: argument {option}: {message}")
+    assert not out.exists()
+    missing_model = [*argv[:argv.index("--model") + 1], str(tmp_path / "missing"), *argv[argv.index("--model") + 2:]]
+    assert usage_error(example, missing_model, capsys).endswith(f"error: argument {option}: {message}")
+
+
 def test_defaults_are_the_shared_assets_when_present_else_need_no_download(example, tmp_path, monkeypatch, capsys):
     import datasets
 

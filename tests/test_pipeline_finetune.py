@@ -222,6 +222,35 @@ def test_bad_input_is_a_one_line_error_before_any_process_group(case, message, t
     assert (tmp_path / "full" / "notes.txt").read_text() == "kept" and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--block-size", "1", "must be >= 2 (each token is trained to predict the next one in its block), got 1"),
+        ("--lr", "-1", "must be a finite number > 0, got -1"),
+        ("--lr", "nan", "must be a finite number > 0, got nan"),
+        ("--lr", "inf", "must be a finite number > 0, got inf"),
+        ("--warmup-steps", "-5", "must be >= 0, got -5"),
+        ("--weight-decay", "-1", "must be a finite number >= 0, got -1"),
+    ],
+)
+def test_a_bad_training_option_is_refused_before_anything_is_loaded(option, value, message, two_layer_model,
+                                                                    tmp_path, capsys):
+    """One line, status 2, nothing written, checked as the options are parsed (before the --model, which here does
+    not exist): a block of one token has no next token to learn (the run used to end in "the loss is nan; lower
+    --lr"), and the rest trained wrongly or failed only after loading the model."""
+    write_texts(tmp_path / "data.txt")
+    argv = ["--model", str(two_layer_model), "--dataset", str(tmp_path / "data.txt"), *ONE_PROCESS_ARGS,
+            "--output-dir", str(tmp_path / "out"), option, value]
+    for model in (two_layer_model, tmp_path / "missing"):
+        argv[1] = str(model)
+        with pytest.raises(SystemExit) as exit_info:
+            example().main(argv)
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err
+        assert error.strip().splitlines()[-1] == f"pipeline_finetune.py: error: argument {option}: {message}", error
+        assert not (tmp_path / "out").exists() and not dist.is_initialized()
+
+
 # --- interrupted saves, damaged checkpoints and a longer resumed run, in one process ----------------------------------
 
 # 4 steps of 4 sequences in 2 microbatches on the 2-layer model, a checkpoint after every step but the last.
