@@ -237,6 +237,9 @@ def load_causal_lm(parser: argparse.ArgumentParser, name: str, option: str = "--
 CHECKPOINT_PREFIX = "checkpoint-"  # transformers' PREFIX_CHECKPOINT_DIR, and pipeline_finetune.py's
 STATE_FILE = "trainer_state.json"  # written last: a checkpoint is complete once it holds it in full
 PARTIAL_SUFFIX = ".partial-"  # .checkpoint-STEP.partial-XXXX: a save in progress (or killed) before its rename
+# incomplete-checkpoint-STEP.XXXX: an incomplete checkpoint-STEP that a resumed run set aside (set_aside_incomplete).
+# Not checkpoint-*: Trainer's --save-total-limit rotation counts every checkpoint-* folder and deletes the oldest.
+SET_ASIDE_PREFIX = "incomplete-"
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -311,6 +314,39 @@ def checkpoint_to_resume(parser: argparse.ArgumentParser, resume: str, out: Path
     if skipped:
         parser.error(f"--resume: no complete checkpoint in --output-dir {out}: {', '.join(skipped)}")
     parser.error(f"--resume: no checkpoint-* in --output-dir {out} to continue from")
+
+
+def incomplete_in_the_way(parser: argparse.ArgumentParser, checkpoint: Path, step: int, folders: Iterable[Path]
+                          ) -> list[tuple[Path, str]]:
+    """Of ``folders`` (what a run resumed from ``checkpoint``, at ``step``, would save into), the incomplete
+    ``checkpoint-STEP`` folders with why each is incomplete (:func:`incomplete_reason`): a killed save's, which
+    :func:`set_aside_incomplete` moves out of the way. Anything else there (a complete checkpoint, a file, a link)
+    ends in one ``parser.error`` line: nothing complete is replaced or moved."""
+    incomplete = []
+    for folder in folders:
+        reason = incomplete_reason(folder) if checkpoint_step(folder) is not None else None
+        if reason is None:
+            parser.error(f"--resume {checkpoint} continues at step {step} and would save {folder.name} again, which "
+                         "--output-dir already holds: move it away first (nothing is replaced)")
+        incomplete.append((folder, reason))
+    return incomplete
+
+
+def set_aside_incomplete(incomplete: Iterable[tuple[Path, str]]) -> list[str]:
+    """Rename each incomplete checkpoint of :func:`incomplete_in_the_way` to a new ``incomplete-checkpoint-STEP.XXXX``
+    beside it (a name no other folder has: it takes the place of an empty folder made for it); nothing is deleted.
+    Returns a line for each, saying so. Raises ``OSError`` when a rename fails."""
+    lines = []
+    for folder, reason in incomplete:
+        aside = Path(tempfile.mkdtemp(prefix=f"{SET_ASIDE_PREFIX}{folder.name}.", dir=folder.parent))
+        try:
+            folder.rename(aside)  # onto the empty folder just made (POSIX rename replaces an empty directory)
+        except OSError:
+            aside.rmdir()
+            raise
+        lines.append(f"--resume: set aside the incomplete {folder.name} ({reason}) as {aside.name}, so that this run "
+                     f"can save {folder.name} again; nothing of it is deleted")
+    return lines
 
 
 def first_file_error(paths: Iterable[Path]) -> str | None:
