@@ -38,15 +38,62 @@ MAX_SEED = 2**32 - 1  # numpy's seeding (transformers.set_seed) takes no more
 # --- options -----------------------------------------------------------------------------------------------------
 
 
-def seed(value: str) -> int:
-    """The argparse type of ``--seed``: an integer from 0 to :data:`MAX_SEED`."""
+def integer(value: str) -> int:
+    """``int(value)``; anything else is an argparse error."""
     try:
-        number = int(value)
+        return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if not 0 <= number <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {MAX_SEED} (2**32 - 1), got {number}")
-    return number
+
+
+def number(value: str) -> float:
+    """``float(value)``; anything else is an argparse error."""
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+
+
+def seed(value: str) -> int:
+    """The argparse type of ``--seed``: an integer from 0 to :data:`MAX_SEED`."""
+    parsed = integer(value)
+    if not 0 <= parsed <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {MAX_SEED} (2**32 - 1), got {parsed}")
+    return parsed
+
+
+def block_size(value: str) -> int:
+    """The argparse type of ``--block-size``: an integer >= 2. Each token of a block learns to predict the next one,
+    so a block of one token trains on nothing."""
+    parsed = integer(value)
+    if parsed < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (each token is trained to predict the next one in its block), "
+                                         f"got {parsed}")
+    return parsed
+
+
+def non_negative_integer(value: str) -> int:
+    """The argparse type of ``--warmup-steps``: an integer >= 0."""
+    parsed = integer(value)
+    if parsed < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {parsed}")
+    return parsed
+
+
+def non_negative_number(value: str) -> float:
+    """The argparse type of ``--weight-decay``: a finite number >= 0."""
+    parsed = number(value)
+    if not (math.isfinite(parsed) and parsed >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return parsed
+
+
+def learning_rate(value: str) -> float:
+    """The argparse type of the examples' ``--lr``: a finite number > 0."""
+    parsed = number(value)
+    if not (math.isfinite(parsed) and parsed > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
+    return parsed
 
 
 # The options several examples take, defined once. "default" is the value when a script gives none; a script gives its
@@ -56,9 +103,9 @@ EXAMPLE_OPTIONS: dict[str, dict] = {
     "--hc-mult": dict(**CLI_OPTIONS["--hc-mult"], default=None,
                       help=f"residual streams n of the upcycled model (default {DEFAULT_HC_MULT})"),
     "--steps": dict(type=int, help="optimizer steps (default {default})"),
-    "--block-size": dict(type=int, help="tokens per training sequence (default {default})"),
-    "--warmup-steps": dict(type=int, default=None, help="linear warm-up steps (default steps // 10)"),
-    "--weight-decay": dict(type=float, default=0.0, help="AdamW weight decay (default 0)"),
+    "--block-size": dict(type=block_size, help="tokens per training sequence, at least 2 (default {default})"),
+    "--warmup-steps": dict(type=non_negative_integer, default=None, help="linear warm-up steps (default steps // 10)"),
+    "--weight-decay": dict(type=non_negative_number, default=0.0, help="AdamW weight decay (default 0)"),
     "--resume": dict(nargs="?", const="last", default=None, metavar="CHECKPOINT",
                      help="continue from the newest complete checkpoint in --output-dir, or from CHECKPOINT"),
 }
@@ -190,6 +237,9 @@ def load_causal_lm(parser: argparse.ArgumentParser, name: str, option: str = "--
 CHECKPOINT_PREFIX = "checkpoint-"  # transformers' PREFIX_CHECKPOINT_DIR, and pipeline_finetune.py's
 STATE_FILE = "trainer_state.json"  # written last: a checkpoint is complete once it holds it in full
 PARTIAL_SUFFIX = ".partial-"  # .checkpoint-STEP.partial-XXXX: a save in progress (or killed) before its rename
+# incomplete-checkpoint-STEP.XXXX: an incomplete checkpoint-STEP that a resumed run set aside (set_aside_incomplete).
+# Not checkpoint-*: Trainer's --save-total-limit rotation counts every checkpoint-* folder and deletes the oldest.
+SET_ASIDE_PREFIX = "incomplete-"
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -264,6 +314,39 @@ def checkpoint_to_resume(parser: argparse.ArgumentParser, resume: str, out: Path
     if skipped:
         parser.error(f"--resume: no complete checkpoint in --output-dir {out}: {', '.join(skipped)}")
     parser.error(f"--resume: no checkpoint-* in --output-dir {out} to continue from")
+
+
+def incomplete_in_the_way(parser: argparse.ArgumentParser, checkpoint: Path, step: int, folders: Iterable[Path]
+                          ) -> list[tuple[Path, str]]:
+    """Of ``folders`` (what a run resumed from ``checkpoint``, at ``step``, would save into), the incomplete
+    ``checkpoint-STEP`` folders with why each is incomplete (:func:`incomplete_reason`): a killed save's, which
+    :func:`set_aside_incomplete` moves out of the way. Anything else there (a complete checkpoint, a file, a link)
+    ends in one ``parser.error`` line: nothing complete is replaced or moved."""
+    incomplete = []
+    for folder in folders:
+        reason = incomplete_reason(folder) if checkpoint_step(folder) is not None else None
+        if reason is None:
+            parser.error(f"--resume {checkpoint} continues at step {step} and would save {folder.name} again, which "
+                         "--output-dir already holds: move it away first (nothing is replaced)")
+        incomplete.append((folder, reason))
+    return incomplete
+
+
+def set_aside_incomplete(incomplete: Iterable[tuple[Path, str]]) -> list[str]:
+    """Rename each incomplete checkpoint of :func:`incomplete_in_the_way` to a new ``incomplete-checkpoint-STEP.XXXX``
+    beside it (a name no other folder has: it takes the place of an empty folder made for it); nothing is deleted.
+    Returns a line for each, saying so. Raises ``OSError`` when a rename fails."""
+    lines = []
+    for folder, reason in incomplete:
+        aside = Path(tempfile.mkdtemp(prefix=f"{SET_ASIDE_PREFIX}{folder.name}.", dir=folder.parent))
+        try:
+            folder.rename(aside)  # onto the empty folder just made (POSIX rename replaces an empty directory)
+        except OSError:
+            aside.rmdir()
+            raise
+        lines.append(f"--resume: set aside the incomplete {folder.name} ({reason}) as {aside.name}, so that this run "
+                     f"can save {folder.name} again; nothing of it is deleted")
+    return lines
 
 
 def first_file_error(paths: Iterable[Path]) -> str | None:

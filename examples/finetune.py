@@ -23,9 +23,11 @@ Output (--output-dir, which must be new or empty): the fine-tuned model and toke
 base was upcycled here (the adapter names it as its base) and merged/ with --merge-lora. Every --save-steps steps a
 Trainer checkpoint goes to OUTPUT_DIR/checkpoint-STEP (the last --save-total-limit are kept): after a crash, run the
 same command with --resume to continue from the newest complete one. Trainer writes trainer_state.json last, so a
-checkpoint without it (or with it cut short) is an interrupted save: --resume skips it, says so and leaves it (the
-resumed run would save into it, so --resume refuses to run until it is moved away: nothing is replaced), and refuses
-a checkpoint it names that is incomplete, damaged (a file cut short) or not a Trainer's, in one line.
+checkpoint without it (or with it cut short) is an interrupted save: --resume skips it and says so, and since the
+resumed run would save into it, first sets it aside, renamed to incomplete-checkpoint-STEP.XXXX (deleting nothing; not
+to a checkpoint-* name, which --save-total-limit would rotate away), with one line saying so. It refuses, in one line,
+to run when a later complete checkpoint is there (nothing complete is replaced or moved), and a checkpoint it names
+that is incomplete, damaged (a file cut short) or not a Trainer's.
 
 --overwrite reuses the folder of an earlier run: before training it deletes that run's model, adapter and tokenizer
 files (with the mHC code files saved beside a model), its PEFT model card, merged/, upcycled_base/ and checkpoint-*/
@@ -72,11 +74,14 @@ from example_utils import (  # noqa: E402
     dataset_token_blocks,
     has_text,
     hc_mult_or_default,
+    incomplete_in_the_way,
     innermost_message,
+    learning_rate,
     load_causal_lm,
     load_config,
     perplexity,
     pydoc_paragraphs,
+    set_aside_incomplete,
 )
 
 import hf_mhc  # noqa: E402
@@ -151,7 +156,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     add_example_option(train, "--steps", default=100)
     train.add_argument("--batch-size", type=int, default=8, help="sequences per device per step (default 8)")
     train.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
-    train.add_argument("--lr", type=float, default=None, help="peak learning rate (default 5e-4, 2e-3 with --lora)")
+    train.add_argument("--lr", type=learning_rate, default=None,
+                       help="peak learning rate (default 5e-4, 2e-3 with --lora)")
     add_example_option(train, "--warmup-steps")
     add_example_option(train, "--weight-decay")
     train.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast, float32 master weights)")
@@ -183,8 +189,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         if not STORIES260K.is_dir():
             parser.error("--model is required (the default ../shared/assets/stories260K is not present)")
         args.model, args.upcycle = str(STORIES260K), True
-    positive = ("steps", "batch_size", "grad_accum", "block_size", "logging_steps", "lora_r", "lora_alpha",
-                "save_total_limit")
+    positive = ("steps", "batch_size", "grad_accum", "logging_steps", "lora_r", "lora_alpha", "save_total_limit")
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -294,9 +299,11 @@ def clear_earlier_run(folder: Path, *, checkpoints: bool, subfolders: tuple[str,
 
 
 def resume_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace, out: Path
-                      ) -> tuple[str, str] | None:
+                      ) -> tuple[str, str, list[tuple[Path, str]]] | None:
     """The complete Trainer checkpoint --resume names (``None`` without --resume), checked to be whole and to fit
-    this run, and a note on the incomplete ones skipped (:func:`example_utils.checkpoint_to_resume`)."""
+    this run, a note on the incomplete ones skipped (:func:`example_utils.checkpoint_to_resume`), and the incomplete
+    later checkpoints that Trainer would save into, to set aside (:func:`example_utils.incomplete_in_the_way`; a
+    complete one is refused)."""
     if args.resume is None:
         return None
     checkpoint, state, skipped = checkpoint_to_resume(parser, args.resume, out)
@@ -311,9 +318,7 @@ def resume_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace,
                      "or not of Trainer's type)")
     step = trainer_state.global_step
     later = [folder for folder in checkpoint_folders(out) if checkpoint_step(folder) > step]
-    if later:
-        parser.error(f"--resume {checkpoint} continues at step {step}, and Trainer would save into {later[-1].name}, "
-                     "which --output-dir already holds: move it away first (nothing is replaced)")
+    in_the_way = incomplete_in_the_way(parser, checkpoint, step, reversed(later))
     for part, names in TRAINER_CHECKPOINT_PARTS.items():
         if not any((checkpoint / name).exists() for name in names):
             parser.error(f"--resume {checkpoint}: no {part} ({names[0]}) in it: not a whole Trainer checkpoint")
@@ -324,7 +329,7 @@ def resume_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace,
     if is_adapter != args.lora:
         parser.error(f"--resume {checkpoint} holds {'a LoRA adapter' if is_adapter else 'a full model'}: "
                      f"{'add' if is_adapter else 'drop'} --lora")
-    return str(checkpoint), skipped
+    return str(checkpoint), skipped, in_the_way
 
 
 def check_resume_fits(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoint: str,
@@ -483,7 +488,7 @@ def load_texts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tup
 def main(argv: list[str] | None = None) -> int:
     parser, args = parse_args(argv)
     out = check_paths(parser, args)
-    checkpoint, skipped = resume_checkpoint(parser, args, out) or (None, "")
+    checkpoint, skipped, in_the_way = resume_checkpoint(parser, args, out) or (None, "", [])
     check_report_to(parser, args.report_to)
     model = load_model(parser, args)
     if checkpoint is not None:
@@ -539,6 +544,11 @@ def main(argv: list[str] | None = None) -> int:
         removed, kept = clear_earlier_run(out, checkpoints=True)
         print(f"--overwrite: deleted the earlier run's {', '.join(removed) or 'nothing'} from {out}"
               f"{f'; kept {len(kept)} other file(s): ' + ', '.join(kept[:8]) if kept else ''}")
+    if in_the_way and main_process:  # a killed save's checkpoint-STEP, which Trainer would save into (or rotate away)
+        try:
+            print("\n".join(set_aside_incomplete(in_the_way)))
+        except OSError as error:
+            parser.error(f"--resume: cannot set aside an incomplete checkpoint: {first_line(error)}")
     if args.lora:
         from peft import get_peft_model
 

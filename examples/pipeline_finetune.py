@@ -40,9 +40,11 @@ leaves nothing, a killed one leaves only that hidden folder.
 
 --resume continues the newest complete checkpoint (or the given one) on the same number of ranks with the same
 options, and reaches the losses and weights of an uninterrupted run. It says which checkpoint it takes and which newer
-folders it skipped (incomplete ones, interrupted saves: it deletes nothing, and refuses to run when it would save a
-step whose checkpoint folder is there). A checkpoint with a file missing, cut short or damaged is refused with one line
-naming the file. --steps may grow: the warm-up stays the saved run's (a --warmup-steps given must match it), the first
+folders it skipped (incomplete ones, interrupted saves); it deletes nothing. An incomplete checkpoint-STEP (no whole
+trainer_state.json, which a save writes last) of a step it will save again is set aside first, renamed to
+incomplete-checkpoint-STEP.XXXX, with one line saying so; a complete one there (or a file) is never replaced or moved:
+--resume refuses to run. A checkpoint with a file missing, cut short or damaged is refused with one line naming the
+file. --steps may grow: the warm-up stays the saved run's (a --warmup-steps given must match it), the first
 resumed step keeps the learning rate the saved run would have used, and from the next one the cosine decay runs to the
 new --steps, as Trainer does. --overwrite first deletes the earlier run's results from --output-dir (as
 examples/finetune.py).
@@ -101,7 +103,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     train.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
     train.add_argument("--microbatches", type=int, default=2,
                        help="microbatches per step; must divide --batch-size (default 2)")
-    train.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate (default 5e-4)")
+    train.add_argument("--lr", type=example_utils.learning_rate, default=5e-4,
+                       help="peak AdamW learning rate (default 5e-4)")
     add_example_option(train, "--warmup-steps")
     add_example_option(train, "--weight-decay")
     train.add_argument("--max-grad-norm", type=float, default=1.0,
@@ -122,11 +125,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         if not example_utils.STORIES260K.is_dir():
             parser.error("--model is required (the default ../shared/assets/stories260K is not present)")
         args.model, args.upcycle = str(example_utils.STORIES260K), True
-    for name in ("steps", "batch_size", "microbatches", "block_size"):
+    for name in ("steps", "batch_size", "microbatches"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.lr > 0:
-        parser.error(f"--lr must be > 0, got {args.lr}")
     if args.save_every < 0 or args.max_grad_norm < 0:
         parser.error("--save-every and --max-grad-norm must be >= 0")
     if args.hc_mult is not None and not args.upcycle:
@@ -255,6 +256,7 @@ class Resumed(NamedTuple):
 
     checkpoint: Path
     skipped: str  # a note on the newer folders left alone, "" when none
+    in_the_way: list[tuple[Path, str]]  # incomplete checkpoints this run would save again, to set aside, and why
     global_step: int
     log_history: list[dict]
     optimizer: dict
@@ -273,7 +275,8 @@ def load_torch_file(parser: argparse.ArgumentParser, checkpoint: Path, name: str
 def resume_point(parser: argparse.ArgumentParser, args: argparse.Namespace, out: Path) -> Resumed | None:
     """The checkpoint --resume names (``None`` without --resume), checked before any process group: complete, saved
     with this run's options, whole (every rank's file there and readable), and no later checkpoint of this run
-    already in ``out``. Sets a --warmup-steps not given to the saved run's."""
+    already in ``out`` (an incomplete one there is to be set aside, see :class:`Resumed`). Sets a --warmup-steps not
+    given to the saved run's."""
     if args.resume is None:
         return None
     checkpoint, state, skipped = example_utils.checkpoint_to_resume(parser, args.resume, out)
@@ -293,12 +296,10 @@ def resume_point(parser: argparse.ArgumentParser, args: argparse.Namespace, out:
     step = state["global_step"]
     if step >= args.steps:
         parser.error(f"--resume {checkpoint} is at step {step}, not before --steps {args.steps}")
-    if args.save_every:
-        again = [out / f"checkpoint-{later}" for later in range(step + 1, args.steps) if later % args.save_every == 0]
-        there = [folder for folder in again if os.path.lexists(folder)]
-        if there:
-            parser.error(f"--resume {checkpoint} continues at step {step} and would save {there[0].name} again, which "
-                         f"--output-dir already holds: move it away first (nothing is replaced)")
+    again = [out / f"checkpoint-{later}" for later in range(step + 1, args.steps)
+             if args.save_every and later % args.save_every == 0]
+    in_the_way = example_utils.incomplete_in_the_way(parser, checkpoint, step,
+                                                     [folder for folder in again if os.path.lexists(folder)])
     weights = "model.safetensors.index.json" if (checkpoint / "model.safetensors.index.json").exists() else (
         "model.safetensors")
     ranks = range(args.world_size)
@@ -315,9 +316,9 @@ def resume_point(parser: argparse.ArgumentParser, args: argparse.Namespace, out:
         parser.error(f"--resume {checkpoint}: optimizer.pt holds no AdamW state for each of the {args.world_size} "
                      "ranks")
     rng = [load_torch_file(parser, checkpoint, f"rng_state_{index}.pth") for index in ranks]  # every rank checks all
-    return Resumed(checkpoint=checkpoint, skipped=skipped, global_step=step, log_history=state["log_history"],
-                   optimizer=optimizer["ranks"][rank], scheduler=load_torch_file(parser, checkpoint, "scheduler.pt"),
-                   rng=rng[rank])
+    return Resumed(checkpoint=checkpoint, skipped=skipped, in_the_way=in_the_way, global_step=step,
+                   log_history=state["log_history"], optimizer=optimizer["ranks"][rank],
+                   scheduler=load_torch_file(parser, checkpoint, "scheduler.pt"), rng=rng[rank])
 
 
 def check_args_before_work(parser: argparse.ArgumentParser, args: argparse.Namespace):
@@ -490,6 +491,20 @@ def main(argv: list[str] | None = None) -> int:
         if pipelined and owns_group:
             dist.destroy_process_group()
         return 1
+
+    if resumed is not None:  # a killed save's checkpoint-STEP, which this run saves again: set aside by rank 0
+        error = None
+        if rank == 0 and resumed.in_the_way:
+            try:
+                print("\n".join(example_utils.set_aside_incomplete(resumed.in_the_way)), flush=True)
+            except OSError as exc:
+                error = f"{parser.prog}: error: --resume: cannot set aside an incomplete checkpoint: {first_line(exc)}"
+        if pipelined:
+            verdict = [error]
+            dist.broadcast_object_list(verdict, src=0)
+            error = verdict[0]
+        if error is not None:
+            return stop(error)
 
     for step in range(start_step, args.steps):
         batch = blocks[batch_indices(step, args.batch_size, len(blocks), args.seed)].to(device)

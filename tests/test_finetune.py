@@ -181,6 +181,31 @@ def test_bad_input_gets_a_one_line_error(example, tiny_llama_dir, text_files, tm
     assert "--merge-lora needs --lora" in usage_error(example, [*upcycle, "--merge-lora"], capsys)
 
 
+BAD_TRAINING_OPTIONS = [  # (option, value, the error after "argument OPTION: ")
+    ("--block-size", "1", "must be >= 2 (each token is trained to predict the next one in its block), got 1"),
+    ("--lr", "-1", "must be a finite number > 0, got -1"),
+    ("--lr", "nan", "must be a finite number > 0, got nan"),
+    ("--lr", "inf", "must be a finite number > 0, got inf"),
+    ("--warmup-steps", "-5", "must be >= 0, got -5"),
+    ("--weight-decay", "-1", "must be a finite number >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize(("option", "value", "message"), BAD_TRAINING_OPTIONS)
+def test_a_bad_training_option_is_refused_before_anything_is_loaded(
+    example, option, value, message, tiny_llama_dir, text_files, tmp_path, capsys, datasets_cache
+):
+    """One line, status 2, nothing written: a block of one token trains on nothing, and the rest would fail (or train
+    wrongly) only after loading the model. Checked when the options are parsed, before any path (here a --model that
+    does not exist)."""
+    out = tmp_path / "out"
+    argv = tiny_run(tiny_llama_dir, text_files / "*.txt", "--output-dir", str(out), option, value)
+    assert usage_error(example, argv, capsys).endswith(f"error: argument {option}: {message}")
+    assert not out.exists()
+    missing_model = [*argv[:argv.index("--model") + 1], str(tmp_path / "missing"), *argv[argv.index("--model") + 2:]]
+    assert usage_error(example, missing_model, capsys).endswith(f"error: argument {option}: {message}")
+
+
 def test_defaults_are_the_shared_assets_when_present_else_need_no_download(example, tmp_path, monkeypatch, capsys):
     import datasets
 
@@ -403,7 +428,7 @@ def test_resume_skips_a_checkpoint_whose_save_was_cut_short(
 ):
     from transformers import Trainer
 
-    run = tiny_run(tiny_llama_dir, text_files / "*.txt", "--steps", "3", "--save-steps", "1", "--save-total-limit", "3")
+    run = tiny_run(tiny_llama_dir, text_files / "*.txt", "--steps", "3", "--save-steps", "1", "--save-total-limit", "2")
     out = tmp_path / "out"
     save_optimizer_and_scheduler = Trainer._save_optimizer_and_scheduler
 
@@ -418,6 +443,7 @@ def test_resume_skips_a_checkpoint_whose_save_was_cut_short(
             example.main([*run, "--output-dir", str(out)])
     assert (out / "checkpoint-2" / "model.safetensors").is_file()
     assert not (out / "checkpoint-2" / "trainer_state.json").exists()
+    killed_save = sorted(path.name for path in (out / "checkpoint-2").iterdir())
     capsys.readouterr()
     assert (f"--resume {out / 'checkpoint-2'}: incomplete checkpoint (trainer_state.json is missing), not one to "
             "continue from") in usage_error(example, [*run, "--output-dir", str(out), "--resume",
@@ -431,17 +457,19 @@ def test_resume_skips_a_checkpoint_whose_save_was_cut_short(
         return training_step(self, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "training_step", record)
-    # Trainer would save step 2 into the incomplete checkpoint-2: refused until it is moved away, nothing replaced
-    assert (f"--resume {out / 'checkpoint-1'} continues at step 1, and Trainer would save into checkpoint-2, which "
-            "--output-dir already holds: move it away first") in usage_error(
-        example, [*run, "--output-dir", str(out), "--resume"], capsys)
-    assert steps == [] and not (out / "checkpoint-2" / "trainer_state.json").exists()
-    (out / "checkpoint-2").rename(tmp_path / "interrupted-checkpoint-2")
+    # Trainer would save step 2 into the incomplete checkpoint-2: the same command goes on, with checkpoint-2 set aside
+    # (renamed, not deleted; not to a checkpoint-* name, which the --save-total-limit 2 rotation would delete)
     assert example.main([*run, "--output-dir", str(out), "--resume"]) == 0
-    assert f"resuming from {out / 'checkpoint-1'}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    (aside,) = [path for path in out.iterdir() if path.name.startswith("incomplete-checkpoint-2.")]
+    assert (f"--resume: set aside the incomplete checkpoint-2 (trainer_state.json is missing) as {aside.name}, so "
+            "that this run can save checkpoint-2 again; nothing of it is deleted\n") in printed, printed
+    assert (f"resuming from {out / 'checkpoint-1'}; skipped: checkpoint-2 (incomplete: trainer_state.json is "
+            "missing)") in printed, printed
     assert steps == [2, 3]
     assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
-    assert (tmp_path / "interrupted-checkpoint-2" / "model.safetensors").is_file()
+    assert sorted(path.name for path in aside.iterdir()) == killed_save  # as the killed save left it
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
 
 
 def test_resume_refuses_a_damaged_checkpoint_or_one_not_of_trainer(
@@ -475,12 +503,15 @@ def test_resume_refuses_a_damaged_checkpoint_or_one_not_of_trainer(
         capsys.readouterr()
         assert f"--resume {foreign / 'checkpoint-1'}: trainer_state.json is not a Trainer state" in usage_error(
             example, [*run, "--output-dir", str(foreign), "--resume", str(foreign / "checkpoint-1")], capsys)
-    later = tmp_path / "later"  # resuming an older checkpoint would make Trainer save over a newer one
+    later = tmp_path / "later"  # resuming an older checkpoint would make Trainer save over a newer, complete one
     shutil.copytree(out, later)
     shutil.copytree(later / "checkpoint-1", later / "checkpoint-5")
     capsys.readouterr()
-    assert "would save into checkpoint-5, which --output-dir already holds" in usage_error(
+    before = sorted(str(path.relative_to(later)) for path in later.rglob("*"))
+    assert (f"--resume {later / 'checkpoint-1'} continues at step 1 and would save checkpoint-5 again, which "
+            "--output-dir already holds: move it away first (nothing is replaced)") in usage_error(
         example, [*run, "--output-dir", str(later), "--resume", str(later / "checkpoint-1")], capsys)
+    assert sorted(str(path.relative_to(later)) for path in later.rglob("*")) == before  # nothing renamed or written
 
     # a checkpoint of examples/pipeline_finetune.py has a trainer_state.json of its own
     mhc_dir = tmp_path / "mhc"

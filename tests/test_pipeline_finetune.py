@@ -222,6 +222,35 @@ def test_bad_input_is_a_one_line_error_before_any_process_group(case, message, t
     assert (tmp_path / "full" / "notes.txt").read_text() == "kept" and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--block-size", "1", "must be >= 2 (each token is trained to predict the next one in its block), got 1"),
+        ("--lr", "-1", "must be a finite number > 0, got -1"),
+        ("--lr", "nan", "must be a finite number > 0, got nan"),
+        ("--lr", "inf", "must be a finite number > 0, got inf"),
+        ("--warmup-steps", "-5", "must be >= 0, got -5"),
+        ("--weight-decay", "-1", "must be a finite number >= 0, got -1"),
+    ],
+)
+def test_a_bad_training_option_is_refused_before_anything_is_loaded(option, value, message, two_layer_model,
+                                                                    tmp_path, capsys):
+    """One line, status 2, nothing written, checked as the options are parsed (before the --model, which here does
+    not exist): a block of one token has no next token to learn (the run used to end in "the loss is nan; lower
+    --lr"), and the rest trained wrongly or failed only after loading the model."""
+    write_texts(tmp_path / "data.txt")
+    argv = ["--model", str(two_layer_model), "--dataset", str(tmp_path / "data.txt"), *ONE_PROCESS_ARGS,
+            "--output-dir", str(tmp_path / "out"), option, value]
+    for model in (two_layer_model, tmp_path / "missing"):
+        argv[1] = str(model)
+        with pytest.raises(SystemExit) as exit_info:
+            example().main(argv)
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err
+        assert error.strip().splitlines()[-1] == f"pipeline_finetune.py: error: argument {option}: {message}", error
+        assert not (tmp_path / "out").exists() and not dist.is_initialized()
+
+
 # --- interrupted saves, damaged checkpoints and a longer resumed run, in one process ----------------------------------
 
 # 4 steps of 4 sequences in 2 microbatches on the 2-layer model, a checkpoint after every step but the last.
@@ -367,9 +396,6 @@ def cut_short(path: Path) -> None:
                                             "while deserializing header"),
         ("trainer_state.json garbage", "{ckpt}", "--resume {ckpt}: incomplete checkpoint (trainer_state.json is not "
                                                  "valid JSON (line 1: Expecting value)), not one to continue from"),
-        # skipped: the run resumes from checkpoint-2 and would save checkpoint-3, which is there, again
-        ("trainer_state.json garbage", "", "--resume {out}/checkpoint-2 continues at step 2 and would save "
-                                           "checkpoint-3 again, which --output-dir already holds: move it away first"),
         ("trainer_state.json of Trainer", "", "--resume {ckpt}: its trainer_state.json is not one this script writes"),
     ],
 )
@@ -398,6 +424,55 @@ def test_a_damaged_checkpoint_is_a_one_line_error_naming_the_file(case, resume, 
     line = error.strip().splitlines()[-1]
     assert line.startswith("pipeline_finetune.py: error: ") and message.format(ckpt=checkpoint, out=out) in line, line
     assert sorted(str(path.relative_to(out)) for path in out.rglob("*")) == before  # nothing deleted or written
+
+
+@pytest.mark.parametrize("damage", ["trainer_state.json cut short", "trainer_state.json missing"])
+def test_resume_sets_aside_an_incomplete_checkpoint_it_would_save_again(damage, one_process_run, tmp_path, capsys):
+    """A checkpoint-3 without a whole trainer_state.json (written last) is a save that did not finish: the same command
+    with --resume continues from checkpoint-2, renames checkpoint-3 out of the way (deleting nothing), says so in one
+    line and reaches the uninterrupted run."""
+    argv, uninterrupted = one_process_run
+    out = tmp_path / "out"
+    shutil.copytree(uninterrupted, out)
+    state = out / "checkpoint-3" / "trainer_state.json"
+    if damage.endswith("cut short"):
+        cut_short(state)
+    else:
+        state.unlink()
+    left = {path.name: path.read_bytes() for path in (out / "checkpoint-3").iterdir()}
+
+    assert example().main([*argv, "--output-dir", str(out), "--resume"]) == 0
+    printed = capsys.readouterr().out
+    (aside,) = [path for path in out.iterdir() if path.name.startswith("incomplete-checkpoint-3.")]
+    reason = "trainer_state.json is missing" if damage.endswith("missing") else "trainer_state.json is not valid JSON"
+    assert f"resuming from {out / 'checkpoint-2'} at step 2; skipped: checkpoint-3 (incomplete: {reason}" in printed
+    line = next(line for line in printed.splitlines() if line.startswith("--resume: set aside"))
+    assert line.startswith(f"--resume: set aside the incomplete checkpoint-3 ({reason}") and line.endswith(
+        f" as {aside.name}, so that this run can save checkpoint-3 again; nothing of it is deleted"), line
+    assert {path.name: path.read_bytes() for path in aside.iterdir()} == left  # as it was
+    assert checkpoint_entries(out) == ["checkpoint-1", "checkpoint-2", "checkpoint-3", aside.name]
+    assert_same_run(out, uninterrupted)
+    assert_same_run(out / "checkpoint-3", uninterrupted / "checkpoint-3")
+
+
+def test_resume_never_moves_a_complete_checkpoint_or_what_is_not_one(one_process_run, tmp_path, capsys):
+    """Resumed from checkpoint-1, the run would save checkpoint-2 again: complete, or a file, it is refused in one line
+    and nothing is renamed or written."""
+    argv, uninterrupted = one_process_run
+    out = tmp_path / "out"
+    shutil.copytree(uninterrupted, out)
+    message = (f"pipeline_finetune.py: error: --resume {out / 'checkpoint-1'} continues at step 1 and would save "
+               "checkpoint-2 again, which --output-dir already holds: move it away first (nothing is replaced)")
+    for what in ("a complete checkpoint", "a file"):
+        if what == "a file":
+            shutil.rmtree(out / "checkpoint-2")
+            (out / "checkpoint-2").write_text("the user's own")
+        before = {str(path.relative_to(out)): path.stat().st_mtime_ns for path in out.rglob("*")}
+        with pytest.raises(SystemExit) as exit_info:
+            example().main([*argv, "--output-dir", str(out), "--resume", str(out / "checkpoint-1")])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == message, what
+        assert {str(path.relative_to(out)): path.stat().st_mtime_ns for path in out.rglob("*")} == before, what
 
 
 def test_untie_word_embeddings_is_an_option_and_a_tied_run_resumes_tied(one_process_run, tmp_path, capsys):
