@@ -54,17 +54,16 @@ def parse_args(
     add_example_option(parser, "--steps", default=20)
     parser.add_argument("--batch-size", type=int, default=4, help=batch_help)
     add_example_option(parser, "--block-size", default=64)
-    parser.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (default 5e-4)")
+    parser.add_argument("--lr", type=example_utils.learning_rate, default=5e-4,
+                        help="AdamW learning rate (default 5e-4)")
     add_example_option(parser, "--seed")
     parser.add_argument("--output-dir", required=True, help="where rank 0 saves the trained mHC folder")
     parser.add_argument("--overwrite", action="store_true", help="save into a non-empty --output-dir")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 compute for the backbone, float32 HC maps")
     args = parser.parse_args(argv)
-    for name in ("steps", "batch_size", "block_size"):
+    for name in ("steps", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.lr > 0:
-        parser.error(f"--lr must be > 0, got {args.lr}")
     output_dir = Path(args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         parser.error(f"--output-dir {output_dir} is a file")
