@@ -54,7 +54,9 @@ from training_runs import (
     STORIES260K,
     Schedule,
     UsageError,
+    check_block_size,
     check_clip_and_plot,
+    check_streams,
     default_dataset,
     held_out_loss,
     llama_config,
@@ -223,10 +225,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> list[str]:
     """Validate ``args``; return the arms."""
-    for name in ("pretrain_layers", "pretrain_hidden", "pretrain_steps", "steps", "seeds", "hc_mult", "batch_size",
-                 "block_size", "log_every"):
+    for name in ("pretrain_layers", "pretrain_hidden", "pretrain_steps", "steps", "seeds", "batch_size",
+                 "log_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_block_size(args.block_size)
     if args.pretrain_hidden % 32:
         raise UsageError(f"--pretrain-hidden must be a multiple of 32 (heads of 32), got {args.pretrain_hidden}")
     for name in ("lr", "hc_lr", "pretrain_lr"):
@@ -241,8 +244,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
     if unknown or not arms:
         raise UsageError(f"--variants: unknown arm {', '.join(unknown) or '(none given)'}; the arms are "
                          f"{', '.join(ARMS)}")
-    if "permutations" in arms and args.hc_mult > 4:
-        raise UsageError(f"--variants permutations needs --hc-mult <= 4, got {args.hc_mult}")
+    check_streams("--hc-mult", args.hc_mult, arms)
     return arms
 
 

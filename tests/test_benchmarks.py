@@ -258,3 +258,45 @@ def test_upcycle_miniature_arms_start_where_they_should(load, tmp_path, capsys):
         module.main([*TINY["upcycle_miniature"], "--variants", "residual,hyper"])
     err = capsys.readouterr().err
     assert err.startswith("upcycle_miniature.py: error: --variants: unknown arm hyper;") and err.count("\n") == 1
+
+
+def usage_error(module, argv: list[str], capsys) -> str:
+    """The one ``SCRIPT: error: ...`` line of a run of ``module.main(argv)`` that ends with exit status 2."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err
+    lines = err.splitlines()
+    assert lines and lines[-1].startswith(f"{module.PROG}: error: "), err
+    return lines[-1].removeprefix(f"{module.PROG}: error: ")
+
+
+def no_work(module, monkeypatch) -> None:
+    """Fail the test if the script reads its corpus, the first thing it does after checking its arguments."""
+    def load_text(pattern):
+        raise AssertionError(f"the corpus was read ({pattern}): the arguments were not checked first")
+
+    monkeypatch.setattr(module, "load_text", load_text)
+
+
+@pytest.mark.parametrize(("name", "args", "message"), [
+    ("paper_miniature", ["--block-size", "1"], "--block-size must be >= 2 (each token is trained on the next one), "
+                                               "got 1"),
+    ("upcycle_miniature", ["--block-size", "1"], "--block-size must be >= 2 (each token is trained on the next "
+                                                 "one), got 1"),
+    ("paper_miniature", ["--streams", "9"], "--streams must be an integer from 1 to 8 (MHCConfig's hc_mult), got 9"),
+    ("paper_miniature", ["--streams", "0"], "--streams must be an integer from 1 to 8 (MHCConfig's hc_mult), got 0"),
+    ("paper_miniature", ["--streams", "5"], "--variants permutations needs --streams <= 4, got 5"),
+    ("upcycle_miniature", ["--hc-mult", "9", "--variants", "residual,sinkhorn"],
+     "--hc-mult must be an integer from 1 to 8 (MHCConfig's hc_mult), got 9"),
+    ("upcycle_miniature", ["--hc-mult", "5", "--variants", "residual,permutations"],
+     "--variants permutations needs --hc-mult <= 4, got 5"),
+])
+def test_the_miniatures_refuse_a_block_size_or_stream_count_they_cannot_train_before_any_work(
+        load, monkeypatch, capsys, name, args, message):
+    """A block of one token has no next token (the losses were NaN, the exit status 0); hc_mult is 1 to 8 (9 was a
+    traceback from MHCConfig), and permutations takes at most 4 streams."""
+    module = load(name)
+    no_work(module, monkeypatch)
+    assert usage_error(module, [*TINY[name], *args], capsys) == message
