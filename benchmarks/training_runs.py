@@ -123,6 +123,9 @@ def tokenize_with(text: str, tokenizer: str) -> tuple[torch.Tensor, int]:
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot load a tokenizer from {tokenizer}: {str(error).splitlines()[0]}") from None
     ids = loaded(text, add_special_tokens=False)["input_ids"]
+    if not ids and text.strip():
+        raise UsageError(f"the tokenizer of {tokenizer} ({type(loaded).__name__}) turns the corpus into 0 tokens: "
+                         "it has no vocabulary")
     return torch.tensor(ids, dtype=torch.long), len(loaded)
 
 
