@@ -51,7 +51,9 @@ from training_runs import (
     GAIN_BLOCKS,
     Schedule,
     UsageError,
+    check_block_size,
     check_clip_and_plot,
+    check_streams,
     default_dataset,
     llama_config,
     load_text,
@@ -137,15 +139,20 @@ def prepare(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor], dict]:
                   "train_tokens": train_ids.numel(), "heldout_tokens": ids.numel() - train_ids.numel()}
 
 
-def check_args(args: argparse.Namespace) -> None:
-    for name in ("layers", "hidden", "streams", "steps", "seeds", "batch_size", "block_size", "log_every"):
+def check_args(args: argparse.Namespace) -> list[str]:
+    """Validate ``args``; return the variants."""
+    for name in ("layers", "hidden", "steps", "seeds", "batch_size", "log_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_block_size(args.block_size)
     if args.hidden % 32:
         raise UsageError(f"--hidden must be a multiple of 32 (heads of 32), got {args.hidden}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise UsageError(f"--lr must be a positive number, got {args.lr}")
     check_clip_and_plot(args.grad_clip, args.plot)
+    variants = check_variants(args.variants)
+    check_streams("--streams", args.streams, variants)
+    return variants
 
 
 def stability_table(runs: dict[str, dict[str, dict]]) -> str:
@@ -168,8 +175,7 @@ def stability_table(runs: dict[str, dict[str, dict]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        check_args(args)
-        variants = check_variants(args.variants)
+        variants = check_args(args)
         rates = parse_rates(args.lr_sweep) if args.lr_sweep is not None else [args.lr]
         data, data_info = prepare(args)
     except UsageError as error:

@@ -24,8 +24,10 @@ import torch
 from benchlib import progress
 from transformers import LlamaConfig
 
+from hf_mhc.configuration_mhc import MAX_HC_MULT
 from hf_mhc.conversion.upcycle import is_hc_parameter
 from hf_mhc.diagnostics import stability_report
+from hf_mhc.mhc_reference import MAX_PERMUTATION_STREAMS
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 STORIES260K = ASSETS / "stories260K"
@@ -53,6 +55,22 @@ def check_clip_and_plot(grad_clip: float, plot: Path | None) -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
+
+
+def check_block_size(block_size: int) -> None:
+    """``UsageError`` for a ``--block-size`` under 2: every token of a block is trained on the next one, and a block of
+    one token has none (its loss would be the mean over no positions, NaN)."""
+    if block_size < 2:
+        raise UsageError(f"--block-size must be >= 2 (each token is trained on the next one), got {block_size}")
+
+
+def check_streams(option: str, streams: int, arms: list[str]) -> None:
+    """``UsageError`` unless the mHC arms can take ``streams`` streams: ``hc_mult`` from 1 to ``MAX_HC_MULT``, and
+    at most ``MAX_PERMUTATION_STREAMS`` with the ``permutations`` arm. ``option`` is the script's name for it."""
+    if not 1 <= streams <= MAX_HC_MULT:
+        raise UsageError(f"{option} must be an integer from 1 to {MAX_HC_MULT} (MHCConfig's hc_mult), got {streams}")
+    if "permutations" in arms and streams > MAX_PERMUTATION_STREAMS:
+        raise UsageError(f"--variants permutations needs {option} <= {MAX_PERMUTATION_STREAMS}, got {streams}")
 
 
 def default_dataset() -> str | None:
@@ -105,6 +123,9 @@ def tokenize_with(text: str, tokenizer: str) -> tuple[torch.Tensor, int]:
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot load a tokenizer from {tokenizer}: {str(error).splitlines()[0]}") from None
     ids = loaded(text, add_special_tokens=False)["input_ids"]
+    if not ids and text.strip():
+        raise UsageError(f"the tokenizer of {tokenizer} ({type(loaded).__name__}) turns the corpus into 0 tokens: "
+                         "it has no vocabulary")
     return torch.tensor(ids, dtype=torch.long), len(loaded)
 
 

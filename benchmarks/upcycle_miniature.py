@@ -54,7 +54,9 @@ from training_runs import (
     STORIES260K,
     Schedule,
     UsageError,
+    check_block_size,
     check_clip_and_plot,
+    check_streams,
     default_dataset,
     held_out_loss,
     llama_config,
@@ -66,9 +68,10 @@ from training_runs import (
     tokenize,
     train_arms,
 )
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 import hf_mhc
+from hf_mhc.configuration_mhc import check_backbone_type
 from hf_mhc.modeling_mhc import MHCHyperConnection, MHCHyperHead
 
 PRESERVING = ("sinkhorn", "unconstrained", "identity", "permutations")
@@ -77,6 +80,9 @@ ARMS = (BASELINE, *PRESERVING, NAIVE)
 PRETRAINED = "pretrained"
 CACHE = Path(__file__).resolve().parent / ".cache"
 PROG = "upcycle_miniature.py"
+# A folder holds a tokenizer when it holds one of these (tokenizer.save_pretrained writes the first two).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
 
 
 def naive_conversion(source: torch.nn.Module, hc_mult: int, seed: int) -> torch.nn.Module:
@@ -161,15 +167,34 @@ def load_source(source: str, args: argparse.Namespace, text: str, corpus: str) -
     if vocab_size > model.config.vocab_size:
         raise UsageError(f"--source {source}: its tokenizer has {vocab_size} tokens, its model "
                          f"{model.config.vocab_size}")
-    positions = getattr(model.config, "max_position_embeddings", None)
-    if positions is not None and args.block_size > positions:
-        raise UsageError(f"--block-size {args.block_size} exceeds --source {source}'s {positions} positions")
     train_ids, blocks = split_corpus(ids, args.block_size)
     data = {"train": train_ids, "heldout_blocks": blocks, "gain_blocks": blocks[:GAIN_BLOCKS]}
     name = Path(source).name if Path(source).exists() else source
     info = {"source": source, "tokenizer": name, "train_tokens": train_ids.numel(),
             "heldout_tokens": ids.numel() - train_ids.numel()}
     return name, model, data, info
+
+
+def check_source(source: str, args: argparse.Namespace, arms: list[str]) -> None:
+    """What of a ``--source`` (not ``pretrained``) its config and files show, before anything is loaded or trained: a
+    config that does not load, a family hf_mhc does not support (when an mHC arm is asked for: the project's own
+    message, naming the supported ones), a ``--block-size`` beyond its positions, a folder without a tokenizer."""
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--source {source}: cannot load a causal LM: {str(error).splitlines()[0]}") from None
+    if any(arm != BASELINE for arm in arms):
+        try:
+            check_backbone_type(config.model_type, config)
+        except ValueError as error:
+            raise UsageError(f"--source {source}: {error}") from None
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and args.block_size > positions:
+        raise UsageError(f"--block-size {args.block_size} exceeds --source {source}'s {positions} positions")
+    folder = Path(source)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise UsageError(f"--source {source}: the folder has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                         "save the model's tokenizer into it (tokenizer.save_pretrained)")
 
 
 def start_table(summary: dict[str, dict], source_loss: float) -> str:
@@ -223,10 +248,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> list[str]:
     """Validate ``args``; return the arms."""
-    for name in ("pretrain_layers", "pretrain_hidden", "pretrain_steps", "steps", "seeds", "hc_mult", "batch_size",
-                 "block_size", "log_every"):
+    for name in ("pretrain_layers", "pretrain_hidden", "pretrain_steps", "steps", "seeds", "batch_size",
+                 "log_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_block_size(args.block_size)
     if args.pretrain_hidden % 32:
         raise UsageError(f"--pretrain-hidden must be a multiple of 32 (heads of 32), got {args.pretrain_hidden}")
     for name in ("lr", "hc_lr", "pretrain_lr"):
@@ -241,8 +267,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
     if unknown or not arms:
         raise UsageError(f"--variants: unknown arm {', '.join(unknown) or '(none given)'}; the arms are "
                          f"{', '.join(ARMS)}")
-    if "permutations" in arms and args.hc_mult > 4:
-        raise UsageError(f"--variants permutations needs --hc-mult <= 4, got {args.hc_mult}")
+    check_streams("--hc-mult", args.hc_mult, arms)
     return arms
 
 
@@ -250,6 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         arms = check_args(args)
+        for source in args.source:
+            if source != PRETRAINED:
+                check_source(source, args, arms)
         text, corpus = load_text(args.dataset)
         sources = [load_source(source, args, text, corpus) for source in args.source]
     except UsageError as error:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,8 @@ def _load_for_inspection(checkpoint: str, device: torch.device, dtype: str) -> t
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``hf-mhc inspect`` arguments to ``parser`` (e.g. a subcommand parser) and return it."""
     parser.add_argument("checkpoint", help="mHC model folder or Hub id, or a PEFT adapter folder on an mHC model")
-    parser.add_argument("--text", default=None, help="text to run the model on (default: a fixed English passage)")
+    parser.add_argument("--text", default=None,
+                        help="text to run the model on, cut to the model's context (default: a fixed English passage)")
     parser.add_argument("--plot", metavar="DIR", default=None, help="write overview.png and layer_{i}.png to DIR")
     parser.add_argument("--json", metavar="FILE", default=None, help="write the full report as JSON to FILE")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
@@ -95,7 +97,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     """Run ``hf-mhc inspect`` on parsed arguments (see :func:`add_inspect_arguments`).
 
     Loads the checkpoint (an mHC model, or a PEFT adapter whose base is one), runs :func:`stability_report` on the
-    text (tokenised with the checkpoint's tokenizer; without one, 64 random token ids with seed 0), prints the table of
+    text (tokenised with the checkpoint's tokenizer; without one, 64 random token ids with seed 0), cut to the model's
+    ``max_position_embeddings`` when longer (its first tokens, as transformers truncates; one ``hf-mhc inspect:
+    warning: ...`` line on stderr says so), prints the table of
     :func:`format_report` and optionally writes the report as JSON and PNG plots (:func:`plot_report`, needs
     matplotlib). The JSON is strict: a NaN or infinite value is ``null``, and ``non_finite_values`` maps where it was
     to what it was (``{"sites[0].forward_gain_max": "nan"}``); ``non_finite_parameters`` names the model's parameters
@@ -128,17 +132,25 @@ def run_inspect(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         return print_error("inspect", f"cannot load {args.checkpoint}: {first_line(exc)}")
 
+    text_config = model.config.get_text_config()
+    context = getattr(text_config, "max_position_embeddings", None) or math.inf
     if tokenizer is not None:
         text = DEFAULT_INSPECT_TEXT if args.text is None else args.text
-        input_ids = tokenizer(text, return_tensors="pt")["input_ids"]
+        # verbose=False: not transformers' own warning about a long sequence, but the one line below
+        input_ids = tokenizer(text, return_tensors="pt", verbose=False)["input_ids"]
         if input_ids.numel() == 0:
             return print_error("inspect", "--text is empty after tokenisation.")
+        if input_ids.shape[-1] > context:  # as transformers truncates: the first tokens, the rest cut
+            what = "--text" if args.text is not None else "the default passage"
+            print(f"hf-mhc inspect: warning: {what} is {input_ids.shape[-1]} tokens, more than the model's {context} "
+                  f"positions (max_position_embeddings); measuring on its first {context} tokens", file=sys.stderr)
+            input_ids = input_ids[:, :context]
     elif args.text is not None:
         return print_error("inspect", f"{args.checkpoint} has no tokenizer to encode --text.")
     else:
-        print(f"{args.checkpoint} has no tokenizer: measuring on 64 random token ids (seed 0)")
-        vocab_size = model.config.get_text_config().vocab_size
-        input_ids = torch.randint(0, vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+        count = min(64, context)
+        print(f"{args.checkpoint} has no tokenizer: measuring on {count} random token ids (seed 0)")
+        input_ids = torch.randint(0, text_config.vocab_size, (1, count), generator=torch.Generator().manual_seed(0))
 
     report = stability_report(model, input_ids)
     print(format_report(report))

@@ -258,3 +258,98 @@ def test_upcycle_miniature_arms_start_where_they_should(load, tmp_path, capsys):
         module.main([*TINY["upcycle_miniature"], "--variants", "residual,hyper"])
     err = capsys.readouterr().err
     assert err.startswith("upcycle_miniature.py: error: --variants: unknown arm hyper;") and err.count("\n") == 1
+
+
+def usage_error(module, argv: list[str], capsys) -> str:
+    """The one ``SCRIPT: error: ...`` line of a run of ``module.main(argv)`` that ends with exit status 2."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err
+    lines = err.splitlines()
+    assert lines and lines[-1].startswith(f"{module.PROG}: error: "), err
+    return lines[-1].removeprefix(f"{module.PROG}: error: ")
+
+
+def no_work(module, monkeypatch) -> None:
+    """Fail the test if the script reads its corpus, the first thing it does after checking its arguments."""
+    def load_text(pattern):
+        raise AssertionError(f"the corpus was read ({pattern}): the arguments were not checked first")
+
+    monkeypatch.setattr(module, "load_text", load_text)
+
+
+@pytest.mark.parametrize(("name", "args", "message"), [
+    ("paper_miniature", ["--block-size", "1"], "--block-size must be >= 2 (each token is trained on the next one), "
+                                               "got 1"),
+    ("upcycle_miniature", ["--block-size", "1"], "--block-size must be >= 2 (each token is trained on the next "
+                                                 "one), got 1"),
+    ("paper_miniature", ["--streams", "9"], "--streams must be an integer from 1 to 8 (MHCConfig's hc_mult), got 9"),
+    ("paper_miniature", ["--streams", "0"], "--streams must be an integer from 1 to 8 (MHCConfig's hc_mult), got 0"),
+    ("paper_miniature", ["--streams", "5"], "--variants permutations needs --streams <= 4, got 5"),
+    ("upcycle_miniature", ["--hc-mult", "9", "--variants", "residual,sinkhorn"],
+     "--hc-mult must be an integer from 1 to 8 (MHCConfig's hc_mult), got 9"),
+    ("upcycle_miniature", ["--hc-mult", "5", "--variants", "residual,permutations"],
+     "--variants permutations needs --hc-mult <= 4, got 5"),
+])
+def test_the_miniatures_refuse_a_block_size_or_stream_count_they_cannot_train_before_any_work(
+        load, monkeypatch, capsys, name, args, message):
+    """A block of one token has no next token (the losses were NaN, the exit status 0); hc_mult is 1 to 8 (9 was a
+    traceback from MHCConfig), and permutations takes at most 4 streams."""
+    module = load(name)
+    no_work(module, monkeypatch)
+    assert usage_error(module, [*TINY[name], *args], capsys) == message
+
+
+def save_gpt2(folder: Path, tokenizer_config: dict | None = None) -> None:
+    """A tiny GPT-2 (a family hf_mhc does not support) saved to ``folder``, without a tokenizer unless
+    ``tokenizer_config`` (written as its ``tokenizer_config.json``)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300, n_positions=64, bos_token_id=0,
+                        eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    if tokenizer_config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+
+
+def test_upcycle_miniature_names_an_unsupported_family_or_a_folder_without_a_tokenizer_in_one_line(
+        load, tmp_path, monkeypatch, capsys):
+    """Checked from the source's config and files before the corpus is read: an unsupported family was a traceback
+    from hf_mhc.upcycle after the source's held-out loss, and a folder without a tokenizer 'the dataset (0 tokens)
+    is too small'."""
+    from conftest import save_source
+
+    from hf_mhc import SUPPORTED_BACKBONES
+
+    module = load("upcycle_miniature")
+    no_work(module, monkeypatch)
+    gpt2, llama = tmp_path / "gpt2", tmp_path / "llama"
+    save_gpt2(gpt2)
+    save_source(llama)
+    tiny = [*TINY["upcycle_miniature"][2:], "--cache-dir", str(tmp_path / "cache")]  # without --source pretrained
+    assert usage_error(module, [*tiny, "--source", str(gpt2)], capsys) == (
+        f"--source {gpt2}: Unsupported mHC backbone 'gpt2' (no wiring entry for this family); supported backbone "
+        f"families: {', '.join(SUPPORTED_BACKBONES)}.")
+    no_tokenizer = ("the folder has no tokenizer (none of tokenizer.json, tokenizer_config.json, tokenizer.model, "
+                    "vocab.json, vocab.txt, spiece.model); save the model's tokenizer into it "
+                    "(tokenizer.save_pretrained)")
+    # the residual arm alone trains any causal LM: then the missing tokenizer is what stops it
+    assert usage_error(module, [*tiny, "--source", str(gpt2), "--variants", "residual"], capsys) == (
+        f"--source {gpt2}: {no_tokenizer}")
+    assert usage_error(module, [*tiny, "--source", str(llama)], capsys) == f"--source {llama}: {no_tokenizer}"
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_tokenizer_without_a_vocabulary_is_named_not_taken_for_a_small_dataset(load, tmp_path, capsys):
+    """A tokenizer_config.json naming a tokenizer class, with no vocabulary beside it: transformers loads an empty
+    tokenizer, which turns any text into 0 tokens."""
+    module = load("upcycle_miniature")
+    source = tmp_path / "gpt2"
+    save_gpt2(source, {"tokenizer_class": "GPT2Tokenizer"})
+    (tmp_path / "corpus.txt").write_text("It is a truth universally acknowledged.\n" * 50)
+    message = usage_error(module, [*TINY["upcycle_miniature"][2:], "--source", str(source), "--variants", "residual",
+                                   "--dataset", str(tmp_path / "corpus.txt")], capsys)
+    assert message == (f"the tokenizer of {source.resolve()} (GPT2Tokenizer) turns the corpus into 0 tokens: it has "
+                       "no vocabulary")

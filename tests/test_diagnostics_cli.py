@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 import pytest
@@ -149,3 +150,45 @@ def test_inspect_checks_the_plot_and_json_paths_before_it_loads_anything(tmp_pat
         assert inspect_main([str(tmp_path / "mhc"), *options]) == 1, options
         assert capsys.readouterr().err == f"hf-mhc inspect: error: {expected}\n"
     assert (tmp_path / "file.txt").read_text() == "mine"
+
+
+def test_inspect_cuts_a_text_longer_than_the_context_to_its_first_tokens_with_one_warning(tmp_path, capfd, caplog,
+                                                                                            monkeypatch):
+    """As transformers truncates: the first max_position_embeddings tokens (16 here) of a 40-token --text, one
+    warning line on stderr (not also transformers' own about the tokenizer's model_max_length, logged), the report
+    that of those 16 tokens alone. Before, the model ran on all 40 positions without a word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)  # its records to caplog
+
+    words = ["<unk>", *(f"w{index}" for index in range(40))]
+    backend = Tokenizer(models.WordLevel({word: index for index, word in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", model_max_length=16).save_pretrained(
+        tmp_path / "mhc")
+    config = hf_mhc.MHCConfig(backbone_config=tiny_backbone_config("llama", max_position_embeddings=16), hc_mult=2)
+    model = randomize_hc(hf_mhc.MHCForCausalLM(config))
+    model.save_pretrained(tmp_path / "mhc")
+    capfd.readouterr()
+    reports = {}
+    for count in (40, 16):
+        text = " ".join(words[1:count + 1])
+        json_path = tmp_path / f"report_{count}.json"
+        assert inspect_main([str(tmp_path / "mhc"), "--text", text, "--json", str(json_path)]) == 0
+        err = capfd.readouterr().err
+        assert "Traceback" not in err, err
+        warnings = [line for line in err.splitlines() if "warning" in line.lower()]
+        expected = ("hf-mhc inspect: warning: --text is 40 tokens, more than the model's 16 positions "
+                    "(max_position_embeddings); measuring on its first 16 tokens")
+        assert warnings == ([expected] if count == 40 else []), err
+        reports[count] = json.loads(json_path.read_text())
+    assert not [record for record in caplog.records if "sequence length" in record.getMessage()]
+    assert reports[40]["num_tokens"] == 16
+    assert reports[40] == reports[16]
+    # without a tokenizer: random token ids, as many as the context holds when it holds fewer than 64
+    model.save_pretrained(tmp_path / "no_tokenizer")
+    capfd.readouterr()
+    assert inspect_main([str(tmp_path / "no_tokenizer"), "--json", str(tmp_path / "random.json")]) == 0
+    assert "has no tokenizer: measuring on 16 random token ids (seed 0)" in capfd.readouterr().out
+    assert json.loads((tmp_path / "random.json").read_text())["num_tokens"] == 16

@@ -56,6 +56,32 @@ def test_a_non_empty_output_folder_is_refused(wheelhouse, tmp_path, capsys):
     assert [path.name for path in tmp_path.iterdir()] == ["kept.whl"]
 
 
+@pytest.mark.parametrize(("have", "out", "message"), [
+    ("none.txt", "wheelhouse", "--have {tmp}/none.txt: no such file; pass the node's pip freeze file (pip freeze > "
+                               "FILE)"),
+    (".", "wheelhouse", "--have {tmp} is a folder; pass the node's pip freeze file (pip freeze > FILE)"),
+    ("freeze.txt", "file.txt", "--out {tmp}/file.txt is a file; name a folder that is empty or absent"),
+    ("freeze.txt", "file.txt/wheelhouse", "--out {tmp}/file.txt/wheelhouse lies inside a file, {tmp}/file.txt; name a "
+                                          "folder that is empty or absent"),
+])
+def test_a_have_that_is_not_a_file_or_an_out_that_is_one_is_refused_in_one_line_before_pip(
+        wheelhouse, tmp_path, capsys, monkeypatch, have, out, message):
+    def no_pip(*args):
+        raise AssertionError(f"pip ran: {args}")
+
+    monkeypatch.setattr(wheelhouse, "pip", no_pip)
+    (tmp_path / "freeze.txt").write_text("torch==2.11.0\n")
+    (tmp_path / "file.txt").write_text("kept\n")
+    with pytest.raises(SystemExit) as exit_info:
+        wheelhouse.main(["--have", str(tmp_path / have), "--out", str(tmp_path / out)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: wheelhouse ") and "Traceback" not in err
+    assert err.splitlines()[-1] == f"wheelhouse: error: {message.format(tmp=tmp_path)}"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["file.txt", "freeze.txt"]
+    assert (tmp_path / "file.txt").read_text() == "kept\n"
+
+
 def test_the_pytorch_stack_is_never_downloaded(wheelhouse):
     for name in ("torch", "Triton", "nvidia-cudnn-cu13", "nvidia_cublas", "cuda-toolkit", "cuda_bindings"):
         assert wheelhouse.is_node_stack(name), name

@@ -15,6 +15,8 @@ wheelhouse into ``DIR``, and ``PYTHONPATH=DIR`` puts it before the node's own pa
 shadows the node's).
 
 Writes the wheels into ``--out`` (which must be empty or absent), then lists them with their sizes and the total.
+A ``--have`` that is not a file, or an ``--out`` that is (or lies inside) a file, ends in one
+``wheelhouse: error: ...`` line and exit status 2, before pip runs.
 """
 
 from __future__ import annotations
@@ -182,7 +184,8 @@ def listing(wheels: list[Path]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="wheelhouse", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--have", type=Path, default=DEFAULT_HAVE,
                         help="the node's pip freeze (default: tools/node-freeze.txt, a typical node)")
     parser.add_argument("--out", type=Path, default=ROOT / "wheelhouse", help="the folder to write (empty or absent)")
@@ -192,6 +195,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "to glibc 2.28)")
     args = parser.parse_args(argv)
     args.platforms = args.platforms or DEFAULT_PLATFORMS
+    if args.have.is_dir():
+        parser.error(f"--have {args.have} is a folder; pass the node's pip freeze file (pip freeze > FILE)")
+    if not args.have.is_file():
+        parser.error(f"--have {args.have}: no such file; pass the node's pip freeze file (pip freeze > FILE)")
+    blocking = next((path for path in (args.out, *args.out.parents) if path.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        what = "is a file" if blocking == args.out else f"lies inside a file, {blocking}"
+        parser.error(f"--out {args.out} {what}; name a folder that is empty or absent")
     return args
 
 
