@@ -26,6 +26,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 from transformers.models.hy_v4.modeling_hy_v4 import HYV4HyperConnection
 
 from hf_mhc import mhc_reference
+from hf_mhc.compat import unweighted_norm_eps
 from hf_mhc.kernels import mhc_coeffs, mhc_coeffs_pre, mhc_head, mhc_post_res, mhc_pre
 
 HIDDEN = 24
@@ -66,14 +67,14 @@ def random_hyper_connection(n):
 
 def our_coeffs(hc, streams):
     return mhc_coeffs(streams, hc.fn, hc.base, hc.scale, sinkhorn_iters=hc.hc_sinkhorn_iters, eps=hc.hc_eps,
-                      norm_eps=hc.input_norm.eps)
+                      norm_eps=unweighted_norm_eps(hc.input_norm))
 
 
 def coeffs64(hc, x64):
     """``pre, post, comb`` of ``hc`` from the float64 formula."""
     return mhc_reference.mhc_coeffs(x64, hc.fn.double(), hc.base.double(), hc.scale.double(),
-                                    sinkhorn_iters=hc.hc_sinkhorn_iters, eps=hc.hc_eps, norm_eps=hc.input_norm.eps,
-                                    **FLOAT64)
+                                    sinkhorn_iters=hc.hc_sinkhorn_iters, eps=hc.hc_eps,
+                                    norm_eps=unweighted_norm_eps(hc.input_norm), **FLOAT64)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
@@ -139,9 +140,10 @@ def test_head_matches_deepseek_v4(n):
     head = DeepseekV4HyperHead(dsv4_config(n))
     randomize_(head.hc_fn, head.hc_base, head.hc_scale)
     streams = torch.randn(2, 5, n, HIDDEN)
-    out = mhc_head(streams, head.hc_fn, head.hc_base, head.hc_scale, eps=head.eps, norm_eps=head.input_norm.eps)
+    norm_eps = unweighted_norm_eps(head.input_norm)
+    out = mhc_head(streams, head.hc_fn, head.hc_base, head.hc_scale, eps=head.eps, norm_eps=norm_eps)
     truth = mhc_reference.mhc_head(streams.double(), head.hc_fn.double(), head.hc_base.double(),
-                                   head.hc_scale.double(), eps=head.eps, norm_eps=head.input_norm.eps, **FLOAT64)
+                                   head.hc_scale.double(), eps=head.eps, norm_eps=norm_eps, **FLOAT64)
     assert_conforms(out, head(streams), truth)
 
 
@@ -157,8 +159,8 @@ def test_identity_map_matches_hy_v4(backend, n):
     streams, sublayer_output = torch.randn(2, 5, n, HIDDEN), torch.randn(2, 5, HIDDEN)
     post_ref, collapsed_ref = upstream(streams)
     merged_ref = post_ref.unsqueeze(-1) * sublayer_output.unsqueeze(-2) + streams
-    settings = dict(sinkhorn_iters=1, eps=upstream.hc_eps, norm_eps=upstream.input_norm.eps, residual_map="identity",
-                    post_magnitude=magnitude)
+    settings = dict(sinkhorn_iters=1, eps=upstream.hc_eps, norm_eps=unweighted_norm_eps(upstream.input_norm),
+                    residual_map="identity", post_magnitude=magnitude)
     params = (upstream.fn, upstream.base, upstream.scale)
     collapsed, post, comb = mhc_coeffs_pre(streams, *params, backend=backend, **settings)
     assert comb is None

@@ -98,7 +98,7 @@ def run_tests(pytest: str, target: Path, arguments: list[str]) -> tuple[int, str
     closing = ""
     for line in process.stdout:
         print(line, end="", flush=True)
-        if line.strip():
+        if re.search(r"\d+ (passed|failed|errors?|skipped|deselected)\b", line):
             closing = line.strip()
     return process.wait(), closing.strip("= "), time.monotonic() - started
 
