@@ -28,12 +28,12 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
+from ..processes import owner_is_dead, owner_tag
 from .errors import ConversionError
 from .source import COPIED_FILE_PATTERNS, COPIED_FOLDERS
 
@@ -176,7 +176,7 @@ def staging_folder(out: Path) -> Iterator[Path]:
     """A new hidden folder beside ``out`` (same file system, so the final rename is atomic; the umask's permissions)
     to write the checkpoint into; removed with its contents when the block fails. Hand it to
     :func:`move_into_place` at the end of the block."""
-    staging = out.parent / f".{out.name}{STAGING_MARKER}{os.getpid()}@{socket.gethostname()}.{secrets.token_hex(6)}"
+    staging = out.parent / f".{out.name}{STAGING_MARKER}{owner_tag()}.{secrets.token_hex(6)}"
     try:
         staging.mkdir()
         yield staging
@@ -242,26 +242,8 @@ def _remove_stale_staging(out: Path) -> None:
         if not entry.name.startswith(prefix) or not entry.is_dir() or entry.is_symlink():
             continue
         owner = entry.name[len(prefix) :].rsplit(".", 1)[0]
-        if _owner_is_dead(owner):
+        if owner_is_dead(owner):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _owner_is_dead(owner: str) -> bool:
-    """Whether ``owner`` (``pid@host``) names a process of this host that no longer exists."""
-    pid, _, host = owner.partition("@")
-    return host == socket.gethostname() and pid.isdigit() and not _process_alive(int(pid))
-
-
-def _process_alive(pid: int) -> bool:
-    if os.name == "nt":  # os.kill(pid, 0) would send CTRL_C_EVENT there: never take a Windows process for dead
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _OutputLock:
@@ -274,7 +256,7 @@ class _OutputLock:
     def __init__(self, out: Path):
         self.out = out
         self.path = out.parent / f".{out.name}{LOCK_SUFFIX}"
-        self.owner = f"{os.getpid()}@{socket.gethostname()} {secrets.token_hex(6)}"
+        self.owner = f"{owner_tag()} {secrets.token_hex(6)}"
 
     def __enter__(self) -> _OutputLock:
         for _ in range(5):
@@ -282,7 +264,7 @@ class _OutputLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 holder = _read_text(self.path)
-                if holder is not None and not _owner_is_dead(holder.split(" ")[0]):
+                if holder is not None and not owner_is_dead(holder.split(" ")[0]):
                     raise self._busy(holder) from None
                 if holder is not None:
                     self._take_over(holder)

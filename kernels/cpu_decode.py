@@ -43,7 +43,6 @@ import importlib.util
 import math
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -53,6 +52,7 @@ from types import ModuleType
 
 import torch
 
+from ..processes import owner_is_dead, owner_tag
 from .coeffs_pre_op import coeffs_pre_forward
 from .common import MAP_CODES
 from .post_res_op import post_res_forward
@@ -158,7 +158,7 @@ def compile_library(name: str, library: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
     _remove_abandoned_builds(library.parent)
-    owner = f"{os.getpid()}@{socket.gethostname()}"
+    owner = owner_tag()
     private = Path(tempfile.mkdtemp(prefix=f"{PRIVATE_BUILD_PREFIX}{owner}-", dir=library.parent))
     try:
         with _ninja_on_path():
@@ -176,19 +176,8 @@ def compile_library(name: str, library: Path) -> ModuleType:
 def _remove_abandoned_builds(directory: Path) -> None:
     """Delete the private folders of builds on this host whose process no longer exists."""
     for entry in directory.glob(f"{PRIVATE_BUILD_PREFIX}*@*-*"):
-        pid, _, rest = entry.name[len(PRIVATE_BUILD_PREFIX):].partition("@")
-        if pid.isdigit() and rest.rsplit("-", 1)[0] == socket.gethostname() and not _process_alive(int(pid)):
+        if owner_is_dead(entry.name[len(PRIVATE_BUILD_PREFIX):].rsplit("-", 1)[0]):  # build-PID@HOST-XXXXXXXX
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def build() -> ModuleType:

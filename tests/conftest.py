@@ -74,6 +74,18 @@ def on_test_device():
     yield
     torch.set_default_device("cpu")
 
+# The training options the examples refuse as they parse them (examples/example_utils.py's checks), each with its
+# error after "argument OPTION: ": (option, value, message).
+BAD_TRAINING_OPTIONS = [  # (option, value, the error after "argument OPTION: ")
+    ("--block-size", "1", "must be >= 2 (each token is trained to predict the next one in its block), got 1"),
+    ("--lr", "-1", "must be a finite number > 0, got -1"),
+    ("--lr", "nan", "must be a finite number > 0, got nan"),
+    ("--lr", "inf", "must be a finite number > 0, got inf"),
+    ("--warmup-steps", "-5", "must be >= 0, got -5"),
+    ("--weight-decay", "-1", "must be a finite number >= 0, got -1"),
+]
+
+
 # The float32 tolerances of model-level comparisons (the ops have their own table, tests/reference_check.py). Two code
 # paths computing one function sum in other orders: an incremental cache, SDPA or eager attention, checkpointing or
 # recomputation, another hc_implementation; the same ops traced by torch.compile or replayed on resume; and a model

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    BAD_TRAINING_OPTIONS,
     JANEAUSTEN,
     REJECTED_CONFIGS,
     STORIES260K,
@@ -179,16 +180,6 @@ def test_bad_input_gets_a_one_line_error(example, tiny_llama_dir, text_files, tm
     hf_mhc.upcycle(LlamaForCausalLM(tiny_backbone_config("llama"))).save_pretrained(mhc_dir)
     assert "already an mHC checkpoint" in usage_error(example, ["--model", str(mhc_dir), "--upcycle"], capsys)
     assert "--merge-lora needs --lora" in usage_error(example, [*upcycle, "--merge-lora"], capsys)
-
-
-BAD_TRAINING_OPTIONS = [  # (option, value, the error after "argument OPTION: ")
-    ("--block-size", "1", "must be >= 2 (each token is trained to predict the next one in its block), got 1"),
-    ("--lr", "-1", "must be a finite number > 0, got -1"),
-    ("--lr", "nan", "must be a finite number > 0, got nan"),
-    ("--lr", "inf", "must be a finite number > 0, got inf"),
-    ("--warmup-steps", "-5", "must be >= 0, got -5"),
-    ("--weight-decay", "-1", "must be a finite number >= 0, got -1"),
-]
 
 
 @pytest.mark.parametrize(("option", "value", "message"), BAD_TRAINING_OPTIONS)

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import (
+    BAD_TRAINING_OPTIONS,
     EXAMPLES,
     OLD_GLOO_PIPELINE,
     STORIES260K,
@@ -222,17 +223,7 @@ def test_bad_input_is_a_one_line_error_before_any_process_group(case, message, t
     assert (tmp_path / "full" / "notes.txt").read_text() == "kept" and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize(
-    ("option", "value", "message"),
-    [
-        ("--block-size", "1", "must be >= 2 (each token is trained to predict the next one in its block), got 1"),
-        ("--lr", "-1", "must be a finite number > 0, got -1"),
-        ("--lr", "nan", "must be a finite number > 0, got nan"),
-        ("--lr", "inf", "must be a finite number > 0, got inf"),
-        ("--warmup-steps", "-5", "must be >= 0, got -5"),
-        ("--weight-decay", "-1", "must be a finite number >= 0, got -1"),
-    ],
-)
+@pytest.mark.parametrize(("option", "value", "message"), BAD_TRAINING_OPTIONS)
 def test_a_bad_training_option_is_refused_before_anything_is_loaded(option, value, message, two_layer_model,
                                                                     tmp_path, capsys):
     """One line, status 2, nothing written, checked as the options are parsed (before the --model, which here does
