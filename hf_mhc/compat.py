@@ -2,11 +2,12 @@
 
 Every private name (``_bind_forward_kwargs``), internal module (``transformers.cli.serving``), attribute of another
 library's objects or version-dependent behaviour that hf-mhc reads or patches is an entry of :data:`PRIVATE_APIS`:
-what it is, which hf-mhc module uses it and why, and the versions on which the whole suite passed with it.
-:func:`require` is how the code reaches such a thing: a name a new release dropped or renamed fails in one line that
-names the dependency's version, the versions tested and where to report, not in an ``AttributeError`` deep inside a
-request. ``tests/test_compat.py`` resolves every entry on the installed versions, and ``make test-compat`` runs the
-tests that touch these internals on the floor and the newest allowed transformers.
+what it is, which hf-mhc module uses it and why. :func:`require` is how the code reaches such a thing: a name a new
+release dropped or renamed fails in one line that names the dependency's version, the versions tested and where to
+report, not in an ``AttributeError`` deep inside a request. (``distributed.py`` travels with a checkpoint's remote
+code, which imports nothing of hf-mhc beyond the model's files, so it imports its two entries directly.)
+``tests/test_compat.py`` resolves every entry on the installed versions, and ``make test-compat`` runs the tests that
+touch these internals on the floor and the newest allowed transformers.
 
 :data:`TESTED` is the one list of tested releases; ``pyproject.toml``'s ceilings are the next minor after the newest
 of them, raised only together with a run of the whole suite on the new release. ``import hf_mhc`` warns once when the

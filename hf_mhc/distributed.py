@@ -25,11 +25,10 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+from transformers.distributed.pipeline_parallel import PipelineIdentityLayer, PipelineStage, _bind_forward_kwargs
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .compat import require
 from .modeling_mhc import HC_MODULE_NAMES, MHCDecoderLayer, MHCForCausalLM, MHCHyperConnection, MHCHyperHead
 
 if TYPE_CHECKING:
@@ -166,7 +165,7 @@ def distribute_with_transformers(distribute: Callable, model: PreTrainedModel, d
     return model
 
 
-class PipelineStageWithHCHead(require("transformers.distributed.pipeline_parallel:PipelineStage")):
+class PipelineStageWithHCHead(PipelineStage):
     """transformers' pipeline-stage metadata, knowing that ``hc_head`` (run before the final norm) is the last
     stage's."""
 
@@ -203,8 +202,7 @@ def _pipeline_streams_forward(model: PreTrainedModel, original_forward: Callable
     attention kind the stage runs. Returns the logits and this stage's cache."""
     stage = model._pp_stage
     device, dtype = model.device, model.dtype
-    bind_forward_kwargs = require("transformers.distributed.pipeline_parallel:_bind_forward_kwargs")
-    forward_kwargs = bind_forward_kwargs(signature, args, kwargs)
+    forward_kwargs = _bind_forward_kwargs(signature, args, kwargs)
     forward_kwargs.update(forward_kwargs.pop("kwargs", None) or {})
     tokens = forward_kwargs.get("input_ids")
     batch, length = (tokens if tokens is not None else forward_kwargs["inputs_embeds"]).shape[:2]
