@@ -150,10 +150,14 @@ def test_tp_splits_heads_only_where_the_plan_does():
                                                    "model.layers.0.self_attn.q_proj.weight (its dimension 0 of 32 "
                                                    "splits into slices of 3)")):  # 3 x 10 + 2 + 0
         plan_memory(olmo2, tokens=4, tp=12)
-    deepseek = CASES["deepseek_v3"]  # MLA attention is not in its plan; the experts' gate and up are packed halves
-    with pytest.raises(ValueError, match=re.escape("tp 12 leaves rank 11 without a slice of "
-                                                   "model.layers.1.mlp.experts.gate_up_proj (its dimension 1 of 32 "
-                                                   "splits into slices of 2 per packed half)")):
+    deepseek = CASES["deepseek_v3"]
+    if deepseek.base_model_tp_plan.get("layers.*.mlp.experts.gate_up_proj") == "packed_colwise":  # transformers 5.24
+        # MLA attention is not in the plan; the experts' gate and up are packed halves, split each on its own
+        first_refused = "model.layers.1.mlp.experts.gate_up_proj (its dimension 1 of 32 splits into slices of 2 per " \
+                        "packed half)"
+    else:  # 5.25: MLA attention is in the plan, the routed experts are not (expert parallelism places them)
+        first_refused = "model.layers.0.self_attn.q_b_proj.weight (its dimension 0 of 64 splits into slices of 6)"
+    with pytest.raises(ValueError, match=re.escape(f"tp 12 leaves rank 11 without a slice of {first_refused}")):
         plan_memory(deepseek, tokens=4, tp=12)
 
 
