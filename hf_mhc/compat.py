@@ -27,7 +27,8 @@ from packaging.version import Version
 REPORT_TO = "hf-mhc's issue tracker, with this message"
 
 # The releases, by dependency, on which the whole suite passed: (major, minor) of each tested minor, any patch release.
-# The floors of pyproject.toml are the oldest of each; accelerate's, peft's, triton's and torch's ran in an earlier round.
+# The floors of pyproject.toml are the oldest of each (accelerate's, peft's, triton's and torch's ran in an earlier
+# round).
 TESTED: dict[str, tuple[tuple[int, int], ...]] = {
     "transformers": ((5, 24), (5, 25)),
     "accelerate": ((1, 6), (1, 16)),
