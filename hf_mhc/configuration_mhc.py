@@ -93,6 +93,8 @@ BACKBONE_WIRINGS: dict[str, BackboneWiring] = {
     "deepseek_v3": PRE_NORM,
 }
 SUPPORTED_BACKBONES: tuple[str, ...] = tuple(BACKBONE_WIRINGS)
+# The float32 mHC modules of a model, by attribute name (their tensor names: model.layers.{i}.attn_hc.fn, ...).
+HC_MODULE_NAMES: tuple[str, ...] = ("attn_hc", "ffn_hc", "hc_head")
 HC_INITS: tuple[str, ...] = ("function_preserving", "deepseek_v4")
 HC_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "reference", "torch", "triton")
 MAX_HC_MULT = 8
@@ -411,5 +413,5 @@ def load_pretrained_config(name_or_path: str | os.PathLike) -> PreTrainedConfig:
 
 MHCConfig.register_for_auto_class()
 
-__all__ = ["BACKBONE_WIRINGS", "SUPPORTED_BACKBONES", "BackboneWiring", "MHCConfig", "backbone_wiring",
-           "check_attention_heads", "check_backbone_type", "load_pretrained_config"]
+__all__ = ["BACKBONE_WIRINGS", "HC_MODULE_NAMES", "SUPPORTED_BACKBONES", "BackboneWiring", "MHCConfig",
+           "backbone_wiring", "check_attention_heads", "check_backbone_type", "load_pretrained_config"]

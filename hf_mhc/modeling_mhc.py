@@ -42,7 +42,8 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_mhc import MHCConfig, backbone_wiring, check_backbone_type
+from .configuration_mhc import HC_MODULE_NAMES, MHCConfig, backbone_wiring, check_backbone_type
+from .distributed import distribute_with_transformers
 from .mhc_reference import (
     function_preserving_hc_base,
     function_preserving_head_base,
@@ -56,7 +57,6 @@ from .mhc_reference import (
 
 logger = logging.get_logger(__name__)
 
-HC_MODULE_NAMES: tuple[str, ...] = ("attn_hc", "ffn_hc", "hc_head")  # the float32 mHC modules, by attribute name
 
 
 @dataclass(frozen=True)
@@ -360,8 +360,6 @@ class MHCPreTrainedModel(PreTrainedModel):
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         """transformers' engine (``from_pretrained(..., distributed_config=DistributedConfig(...))``) with the mHC
         adapters of :mod:`distributed`: float32 FSDP2 units for the HC modules, the streams between pipeline stages."""
-        from .distributed import distribute_with_transformers
-
         return distribute_with_transformers(super().maybe_distribute_model, model, distributed_config, mesh_manager)
 
     def _sync_backbone_attn_implementation(self) -> None:

@@ -25,9 +25,9 @@ from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from transformers.distributed.tensor_parallel import TensorParallelLayer, get_kv_heads_per_rank
 
 from .activation_count import ACTIVATION_CASES, activations_held
+from .common import DTYPES
 from .compat import require
 from .configuration_mhc import MHCConfig, check_attention_heads, check_backbone_type, load_pretrained_config
-from .conversion.convert import DTYPES  # the model dtypes hf-mhc's commands take
 from .conversion.upcycle import is_hc_parameter, mhc_config_for
 from .distributed import pipeline_layer_split
 
