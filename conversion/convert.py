@@ -96,7 +96,7 @@ def convert_checkpoint(
     src: str | os.PathLike,
     out: str | os.PathLike,
     *,
-    hc_mult: int = 4,
+    hc_mult: int = MHCConfig.hc_mult,
     dtype: str | torch.dtype | None = None,
     overwrite: bool = False,
     verify: bool = True,

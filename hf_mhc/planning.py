@@ -249,7 +249,7 @@ def plan_memory(
                              "--hc-mult N) to plan the residual config as one")
     check_backbone_type(backbone.model_type, backbone)
     check_attention_heads(backbone)
-    residual_map = residual_map or "sinkhorn"
+    residual_map = residual_map or MHCConfig.hc_residual_map
     # The planned mHC model (validates hc_mult and the map: permutations needs hc_mult <= 4), with the config's
     # attention and experts kernels, as `upcycle` and a loaded model run them.
     mhc_config = None if hc_mult is None else mhc_config_for(backbone, hc_mult=hc_mult, hc_residual_map=residual_map)

@@ -118,3 +118,42 @@ def test_code_block_runs(block, scratch_roots):
     result = subprocess.run([*RUN[block.language], script.name], cwd=workdir, env=env, capture_output=True, text=True,
                             timeout=SNIPPET_TIMEOUT_S)
     assert result.returncode == 0, f"{block.name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+
+
+def markdown_table(document: Path, heading: str) -> list[list[str]]:
+    """The rows (cells stripped) of the first table under ``heading`` in ``document``, header and rule left out."""
+    lines = document.read_text(encoding="utf-8").splitlines()
+    start = lines.index(heading)
+    rows = []
+    for line in lines[start + 1:]:
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif rows or line.startswith("#"):
+            break
+    return rows[2:]
+
+
+def test_the_family_tables_are_the_wiring_table():
+    """The README's and ``docs/backbones.md``'s family tables list exactly ``BACKBONE_WIRINGS``, in its order, and
+    call a family's wiring plain "pre-norm" (or "pre-norm: " and how) exactly when its entry is ``PRE_NORM``."""
+    from hf_mhc.configuration_mhc import BACKBONE_WIRINGS, PRE_NORM
+
+    for document, heading, family_of, wiring_column in (
+            (README, "## Supported families", lambda cell: re.fullmatch(r".+ \(`(\w+)`\)", cell).group(1), 2),
+            (REPO / "docs" / "backbones.md", "## Supported families", lambda cell: cell.strip("`"), 2)):
+        rows = markdown_table(document, heading)
+        assert [family_of(row[0]) for row in rows] == list(BACKBONE_WIRINGS), document.name
+        plain = {family_of(row[0]) for row in rows if re.match(r"pre-norm(:|$)", row[wiring_column])}
+        assert plain == {family for family, wiring in BACKBONE_WIRINGS.items() if wiring == PRE_NORM}, document.name
+
+
+def test_the_tolerance_table_of_the_docs_is_the_tests_table():
+    """``docs/development.md`` quotes ``TOLERANCES`` of ``tests/reference_check.py``, the one table of the op tests:
+    every dtype, forward and backward, the same numbers."""
+    import torch
+    from reference_check import TOLERANCES
+
+    rows = markdown_table(REPO / "docs" / "development.md", "### Tolerances")
+    quoted = {getattr(torch, row[0].split()[0]): (float(row[1]), float(row[2])) for row in rows}
+    assert quoted == {dtype: (tolerance.forward, tolerance.backward) for dtype, tolerance in TOLERANCES.items()}
+

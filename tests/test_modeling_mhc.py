@@ -16,7 +16,9 @@ from conftest import (
     assert_logits_close,
     assert_same_weights,
     loss_gradients,
+    random_mhc,
     tiny_backbone_config,
+    token_ids,
 )
 from transformers import (
     AutoConfig,
@@ -27,17 +29,6 @@ from transformers import (
 
 from hf_mhc import MHCConfig, MHCForCausalLM, MHCForSequenceClassification, MHCModel
 from hf_mhc.mhc_reference import map_sizes
-
-
-def random_mhc(family="llama", hc_mult=3, tie_word_embeddings=False, **overrides):
-    """An mHC model with DeepSeek-V4's random HC init, so every map is token-dependent and non-trivial."""
-    backbone = tiny_backbone_config(family, tie_word_embeddings=tie_word_embeddings)
-    config = MHCConfig(backbone_config=backbone, hc_mult=hc_mult, hc_init="deepseek_v4", **overrides)
-    return MHCForCausalLM(config).eval()
-
-
-def token_ids(batch=2, length=9):
-    return torch.randint(3, VOCAB, (batch, length))
 
 
 def test_auto_classes_are_registered():
@@ -438,3 +429,4 @@ def test_selective_recomputation_gives_the_same_gradients(residual_map):
     torch.testing.assert_close(recomputed_logits, logits, atol=0, rtol=0)
     for name, grad in grads.items():
         torch.testing.assert_close(recomputed[name], grad, **FLOAT32_TOLERANCES["gradients"], msg=name)
+

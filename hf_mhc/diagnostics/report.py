@@ -27,11 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..mhc_reference import DEFAULT_RESIDUAL_MAP
+
 SUBLAYER_NAMES: tuple[str, ...] = ("attn", "ffn")
 HC_SITE_CLASS = "MHCHyperConnection"
 HC_HEAD_CLASS = "MHCHyperHead"
 SCALAR_PREFIX = "mhc/"
-DEFAULT_RESIDUAL_MAP = "sinkhorn"
 
 # Per-site scalars of the report, in table order.
 SITE_SCALARS: tuple[str, ...] = (
