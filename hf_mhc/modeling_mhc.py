@@ -393,9 +393,9 @@ class MHCPreTrainedModel(PreTrainedModel):
         """Save as an ordinary folder whose ``auto_map`` names every mHC class, for ``trust_remote_code`` loading.
 
         The remote-code files are ``configuration_mhc.py``, ``modeling_mhc.py`` and the files it imports,
-        ``mhc_reference.py`` and ``distributed.py``. A model whose class a torch wrapper replaced (FSDP2's
-        ``fully_shard`` turns ``MHCForCausalLM`` into ``FSDPMHCForCausalLM``) saves as the class it wraps: the same
-        ``auto_map`` and files as the unwrapped model."""
+        ``mhc_reference.py``, ``distributed.py`` and ``compat.py`` (which ``distributed.py`` imports). A model whose
+        class a torch wrapper replaced (FSDP2's ``fully_shard`` turns ``MHCForCausalLM`` into
+        ``FSDPMHCForCausalLM``) saves as the class it wraps: the same ``auto_map`` and files as the unwrapped model."""
         self.config.auto_map = dict(AUTO_MAP)
         use_backbone_weight_conversions(self.config.backbone_config.model_type)  # MoE experts in the published layout
         runtime_class = type(self)

@@ -286,7 +286,7 @@ def assert_same_greedy_decoding(got, expected) -> None:
 
 # --- Saved folders and remote code --------------------------------------------------------------------------------
 
-REMOTE_CODE_FILES = {"configuration_mhc.py", "modeling_mhc.py", "mhc_reference.py", "distributed.py"}
+REMOTE_CODE_FILES = {"configuration_mhc.py", "modeling_mhc.py", "mhc_reference.py", "distributed.py", "compat.py"}
 
 LOAD_WITHOUT_PLUGIN = textwrap.dedent(
     """
