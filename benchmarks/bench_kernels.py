@@ -27,6 +27,7 @@ import torch
 from benchlib import add_json_argument, progress, report
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
 
+from hf_mhc.compat import unweighted_norm_eps
 from hf_mhc.kernels import mhc_coeffs, mhc_coeffs_pre, mhc_post_res, mhc_pre
 from hf_mhc.profiling import saved_bytes_for_backward
 
@@ -44,7 +45,7 @@ def deepseek_v4_site(hc: DeepseekV4HyperConnection, streams: torch.Tensor) -> to
 
 def hf_mhc_site(hc: DeepseekV4HyperConnection, streams: torch.Tensor, backend: str | None) -> torch.Tensor:
     y, post, comb = mhc_coeffs_pre(streams, hc.fn, hc.base, hc.scale, sinkhorn_iters=hc.hc_sinkhorn_iters,
-                                   eps=hc.hc_eps, norm_eps=hc.input_norm.eps, backend=backend)
+                                   eps=hc.hc_eps, norm_eps=unweighted_norm_eps(hc.input_norm), backend=backend)
     return mhc_post_res(streams, y, post, comb, backend=backend)
 
 
@@ -62,8 +63,9 @@ class LigerSite:
     def coeffs(self, streams):
         hc = self.hc
         return self.ops.liger_mhc_coeffs(streams, self.phi, hc.base, hc.scale[0], hc.scale[1], hc.scale[2],
-                                         allow_fp32=True, tmax=hc.hc_sinkhorn_iters, rms_eps=hc.input_norm.eps,
-                                         pre_eps=hc.hc_eps, sinkhorn_eps=hc.hc_eps)
+                                         allow_fp32=True, tmax=hc.hc_sinkhorn_iters,
+                                         rms_eps=unweighted_norm_eps(hc.input_norm), pre_eps=hc.hc_eps,
+                                         sinkhorn_eps=hc.hc_eps)
 
     def __call__(self, streams):
         pre, post, res = self.coeffs(streams)
@@ -108,11 +110,11 @@ def kernel_bandwidth(hc, streams, backend: str, repeats: int, peak_gbps: float |
     element = streams.element_size()
     with torch.no_grad():
         pre, post, comb = mhc_coeffs(streams, hc.fn, hc.base, hc.scale, sinkhorn_iters=hc.hc_sinkhorn_iters,
-                                     eps=hc.hc_eps, norm_eps=hc.input_norm.eps, backend=backend)
+                                     eps=hc.hc_eps, norm_eps=unweighted_norm_eps(hc.input_norm), backend=backend)
         y = mhc_pre(streams, pre, backend=backend)
     ops = {
         "mhc_coeffs": (lambda: mhc_coeffs(streams, hc.fn, hc.base, hc.scale, sinkhorn_iters=hc.hc_sinkhorn_iters,
-                                          eps=hc.hc_eps, norm_eps=hc.input_norm.eps, backend=backend),
+                                          eps=hc.hc_eps, norm_eps=unweighted_norm_eps(hc.input_norm), backend=backend),
                        n * hidden * element + 4 * ((n + 2) * n + 1 + 2 * n + n * n)),
         "mhc_pre": (lambda: mhc_pre(streams, pre, backend=backend), (n + 1) * hidden * element + 4 * n),
         "mhc_post_res": (lambda: mhc_post_res(streams, y, post, comb, backend=backend),
