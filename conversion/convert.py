@@ -28,6 +28,7 @@ from transformers import PreTrainedConfig
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.dynamic_module_utils import custom_object_save
 
+from hf_mhc.common import DTYPES
 from hf_mhc.configuration_mhc import MHCConfig, check_backbone_type, check_hc_options, load_pretrained_config
 from hf_mhc.modeling_mhc import AUTO_MAP, MHCForCausalLM, function_preserving_hc_tensors
 
@@ -56,7 +57,6 @@ from .verify import VerificationResult, verify_conversion
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 CHUNK_BYTES = 64 * 2**20
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Fine-grained FP8 checkpoints (DeepSeek-V3): float8 weights, each with its block scales under this suffix.
 FLOAT8_DTYPES: frozenset[torch.dtype] = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 FP8_SCALE_SUFFIX = "_scale_inv"
@@ -96,7 +96,7 @@ def convert_checkpoint(
     src: str | os.PathLike,
     out: str | os.PathLike,
     *,
-    hc_mult: int = 4,
+    hc_mult: int = MHCConfig.hc_mult,
     dtype: str | torch.dtype | None = None,
     overwrite: bool = False,
     verify: bool = True,

@@ -16,6 +16,8 @@ from typing import Literal
 import torch
 from safetensors import SafetensorError, safe_open
 
+from hf_mhc.common import looks_like_local_path
+
 from .errors import ConversionError
 from .safetensors_stream import TORCH_DTYPES
 
@@ -95,20 +97,6 @@ def resolve_source(src: str | Path, *, allow_pickle: bool = False) -> ResolvedSo
             "check the path or the model id (and HF_TOKEN for gated models, HF_HUB_OFFLINE for the cache)."
         ) from None
     return ResolvedSource(folder, hub_id=str(src))
-
-
-def looks_like_local_path(name: str) -> bool:
-    """Whether ``name`` means a local path rather than a Hugging Face Hub repo id (``name`` or ``org/name``).
-
-    True when it exists, is empty, starts with ``.``, ``/`` or ``~``, is absolute, has more than one ``/`` (or a
-    ``\\``), or when its first component exists here (``outputs/mergd`` beside a folder ``outputs``). Every entry point
-    (``hf-mhc``, the examples) uses it to say "no such folder" instead of a Hub repo-id or connection error.
-    """
-    if not name.strip() or name.startswith((".", "/", "~")) or os.path.isabs(name) or name.count("/") > 1:
-        return True
-    if "\\" in name:
-        return True
-    return os.path.lexists(os.path.expanduser(name)) or ("/" in name and os.path.lexists(name.split("/")[0]))
 
 
 def allowed_link_roots(folder: Path) -> tuple[Path, ...]:

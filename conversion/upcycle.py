@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -17,7 +18,7 @@ def is_hc_parameter(name: str) -> bool:
     return any(part in HC_MODULE_NAMES for part in name.split(".")[:-1])
 
 
-def mhc_config_for(backbone_config, hc_mult: int = 4, **hc_options) -> MHCConfig:
+def mhc_config_for(backbone_config, hc_mult: int = MHCConfig.hc_mult, **hc_options) -> MHCConfig:
     """An :class:`MHCConfig` wrapping a copy of ``backbone_config`` (function-preserving initialisation).
     ``hc_options`` must be mHC fields (``ValueError`` naming the closest one otherwise)."""
     check_hc_options(hc_options, "mhc_config_for")
@@ -28,20 +29,25 @@ def mhc_config_for(backbone_config, hc_mult: int = 4, **hc_options) -> MHCConfig
     return MHCConfig(backbone_config=backbone, hc_mult=hc_mult, **hc_options)
 
 
-def upcycle(model: PreTrainedModel | str | os.PathLike, hc_mult: int = 4, residual_map: str = "sinkhorn",
+# upcycle's residual_map, an alias of the MHCConfig field hc_residual_map: accepted, with a FutureWarning, until this
+# release.
+RESIDUAL_MAP_ALIAS_REMOVED_IN = "0.2.0"
+
+
+def upcycle(model: PreTrainedModel | str | os.PathLike, hc_mult: int = MHCConfig.hc_mult,
             **hc_options) -> MHCForCausalLM:
     """Build an n-stream mHC model from a causal LM of a supported family (``SUPPORTED_BACKBONES``), copying its
     weights.
 
     Args:
         model: a loaded ``*ForCausalLM`` or a path / Hub id that ``AutoModelForCausalLM`` loads.
-        hc_mult: number of residual streams.
-        residual_map: ``hc_residual_map``: ``"sinkhorn"`` (mHC), ``"unconstrained"`` (Hyper-Connections),
-            ``"identity"`` (streams carried unmixed, HY-V4) or ``"permutations"`` (mHC-lite, ``hc_mult <= 4``); each
-            has its own function-preserving initialisation.
-        **hc_options: other :class:`MHCConfig` fields (``hc_sinkhorn_iters``, ``hc_eps``, ``hc_init_*``,
-            ``hc_recompute``). Any other name raises ``ValueError`` with the closest field, before ``model`` is
-            loaded.
+        hc_mult: number of residual streams (default: :class:`MHCConfig`'s).
+        **hc_options: other :class:`MHCConfig` fields: ``hc_residual_map`` (``"sinkhorn"``, mHC, the default;
+            ``"unconstrained"``, Hyper-Connections; ``"identity"``, streams carried unmixed, HY-V4; or
+            ``"permutations"``, mHC-lite, ``hc_mult <= 4``; each has its own function-preserving initialisation),
+            ``hc_sinkhorn_iters``, ``hc_eps``, ``hc_init_*``, ``hc_recompute``. Any other name raises ``ValueError``
+            with the closest field, before ``model`` is loaded. ``residual_map``, the former name of
+            ``hc_residual_map``, is still accepted with a ``FutureWarning`` until hf-mhc 0.2.0.
 
     Returns:
         An :class:`MHCForCausalLM` on the source's device, backbone weights in the source's dtype, HC weights in
@@ -51,10 +57,15 @@ def upcycle(model: PreTrainedModel | str | os.PathLike, hc_mult: int = 4, residu
         with the active config, which sets the dtype of every parameter, HC ones included); the source stays
         partitioned.
     """
+    if "residual_map" in hc_options:
+        residual_map = hc_options.pop("residual_map")
+        warnings.warn(f"upcycle's residual_map is deprecated and will be removed in hf-mhc "
+                      f"{RESIDUAL_MAP_ALIAS_REMOVED_IN}: pass hc_residual_map={residual_map!r} (the MHCConfig field).",
+                      FutureWarning, stacklevel=2)
+        if hc_options.setdefault("hc_residual_map", residual_map) != residual_map:
+            raise ValueError(f"upcycle got residual_map={residual_map!r} and hc_residual_map="
+                             f"{hc_options['hc_residual_map']!r}; give hc_residual_map alone.")
     check_hc_options(hc_options, "upcycle")
-    if hc_options.setdefault("hc_residual_map", residual_map) != residual_map and residual_map != "sinkhorn":
-        raise ValueError(f"upcycle got residual_map={residual_map!r} and hc_residual_map="
-                         f"{hc_options['hc_residual_map']!r}; give one of them.")
     if isinstance(model, (str, os.PathLike)):
         model = AutoModelForCausalLM.from_pretrained(model)
     if not isinstance(model, PreTrainedModel):

@@ -24,8 +24,9 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM
 
-from hf_mhc.cli import DEFAULT_HC_MULT, first_line
+from hf_mhc.cli import DEFAULT_HC_MULT
 from hf_mhc.cli import SHARED_OPTIONS as CLI_OPTIONS
+from hf_mhc.common import first_line
 from hf_mhc.configuration_mhc import load_pretrained_config
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"

@@ -85,7 +85,7 @@ from example_utils import (  # noqa: E402
 )
 
 import hf_mhc  # noqa: E402
-from hf_mhc.cli import first_line, folder_error, looks_like_local_path, output_path_error  # noqa: E402
+from hf_mhc.common import first_line, folder_error, looks_like_local_path, output_path_error  # noqa: E402
 from hf_mhc.diagnostics import MHCStabilityCallback  # noqa: E402
 
 # transformers renamed TrainingArguments.gradient_checkpointing to activation_checkpointing during 5.x

@@ -116,7 +116,7 @@ def tiny_model(seed: int) -> tuple[hf_mhc.MHCForCausalLM, object]:
                          tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
                          pad_token_id=None)
     torch.manual_seed(seed)
-    return hf_mhc.upcycle(LlamaForCausalLM(config), hc_mult=4), tokenizer
+    return hf_mhc.upcycle(LlamaForCausalLM(config)), tokenizer
 
 
 def load_model(args: argparse.Namespace) -> tuple[hf_mhc.MHCForCausalLM, object, str]:
@@ -131,7 +131,7 @@ def load_model(args: argparse.Namespace) -> tuple[hf_mhc.MHCForCausalLM, object,
         return model, tokenizer, args.model
     if STORIES260K.is_dir():
         source = AutoModelForCausalLM.from_pretrained(STORIES260K, dtype=torch.float32)
-        return hf_mhc.upcycle(source, hc_mult=4), AutoTokenizer.from_pretrained(STORIES260K), "stories260K, upcycled"
+        return hf_mhc.upcycle(source), AutoTokenizer.from_pretrained(STORIES260K), "stories260K, upcycled"
     model, tokenizer = tiny_model(args.seed)
     return model, tokenizer, "a tiny random Llama with a byte-level tokenizer, upcycled"
 

@@ -80,7 +80,7 @@ from example_utils import STATE_FILE, add_example_option  # noqa: E402
 from fsdp2_finetune import start_distributed  # noqa: E402
 
 import hf_mhc  # noqa: E402
-from hf_mhc.cli import first_line  # noqa: E402
+from hf_mhc.common import first_line  # noqa: E402
 from hf_mhc.distributed import TiedEmbeddingSync, split_pipeline  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "dualpipev")

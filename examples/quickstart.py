@@ -51,7 +51,7 @@ from example_utils import (  # noqa: E402
 )
 
 import hf_mhc  # noqa: E402
-from hf_mhc.cli import first_line, folder_error, output_path_error  # noqa: E402
+from hf_mhc.common import first_line, folder_error, output_path_error  # noqa: E402
 from hf_mhc.conversion.output_safety import foreign_entries  # noqa: E402
 from hf_mhc.conversion.source import COPIED_FOLDERS  # noqa: E402
 from hf_mhc.conversion.verify import logit_tolerance  # noqa: E402

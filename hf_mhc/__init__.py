@@ -1,10 +1,16 @@
 """hf-mhc: Manifold-Constrained Hyper-Connections (mHC) for Hugging Face Transformers.
 
 Importing this package registers ``MHCConfig`` (``model_type="mhc"``) and the mHC models with
-``AutoConfig``, ``AutoModel``, ``AutoModelForCausalLM`` and ``AutoModelForSequenceClassification``, and makes
-Accelerate's FSDP2 (``accelerate launch``, ``Trainer``) keep the hyper-connection modules float32
-(:mod:`hf_mhc.accelerate_fsdp2`), and sets ``MHCForCausalLM`` on the ``transformers`` module, where
-``transformers serve`` looks a checkpoint's class up (:mod:`hf_mhc.serving`, ``hf-mhc serve``).
+``AutoConfig``, ``AutoModel``, ``AutoModelForCausalLM`` and ``AutoModelForSequenceClassification``. It also changes
+two things outside the package, each because no later point is sure to come first:
+
+- it sets ``MHCForCausalLM`` on the ``transformers`` module (:mod:`hf_mhc.serving`): transformers' ``serve`` (5.25)
+  spawns a model process that imports the ``hf-mhc`` script's package and looks the checkpoint's class up on the
+  ``transformers`` module there, with no call of ours in between;
+- it wraps two functions of Accelerate so that its FSDP2 (``accelerate launch``, ``Trainer``) keeps the
+  hyper-connection modules float32 (:mod:`hf_mhc.accelerate_fsdp2`): a training script calls Accelerate, never
+  hf-mhc, between loading the model and sharding it. Both wrappers change nothing for a model without HC modules,
+  and installing them again changes nothing.
 """
 
 from transformers import (

@@ -8,9 +8,7 @@ status 1 (2 for arguments argparse rejects), never with a traceback; an interrup
 conversion) with status 130. ``serve`` hands its arguments to transformers' own ``serve`` command unparsed
 (:mod:`hf_mhc.serving`), which parses and reports them.
 
-:func:`looks_like_local_path`, :func:`folder_error` and :func:`output_path_error` are the checks every entry point
-(``hf-mhc``, ``examples/quickstart.py``, ``examples/finetune.py``) runs on its paths before it does any work, so that a
-missing folder reads "no such folder: ..." rather than a Hub repo-id or connection error.
+The path checks every entry point runs, the dtypes and the one-line error report are in :mod:`hf_mhc.common`.
 """
 
 from __future__ import annotations
@@ -19,23 +17,28 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import signal
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
+from .common import (
+    BAD_INPUT_ERRORS,
+    DTYPES,
+    first_line,
+    folder_error,
+    looks_like_local_path,
+    output_path_error,
+    print_error,
+)
 from .configuration_mhc import MHCConfig
 from .conversion import ConversionError, ConversionReport, convert_checkpoint
-from .conversion.convert import DEFAULT_MAX_SHARD_SIZE, DTYPES
-from .conversion.source import looks_like_local_path
+from .conversion.convert import DEFAULT_MAX_SHARD_SIZE
 from .mhc_reference import RESIDUAL_MAPS
 
-EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
 DEFAULT_HC_MULT = MHCConfig.hc_mult  # the streams of a converted or upcycled model when --hc-mult is not given
 # The options several commands take (hf-mhc's subcommands and the examples), defined once; each command adds its own
@@ -45,9 +48,6 @@ SHARED_OPTIONS: dict[str, dict] = {
     "--residual-map": dict(choices=list(RESIDUAL_MAPS)),
     "--dtype": dict(choices=list(DTYPES)),
 }
-# What bad input or a bad environment raises in a subcommand (a missing file, a config transformers rejects: see
-# load_pretrained_config, a missing package): reported in one line, without a traceback.
-BAD_INPUT_ERRORS: tuple[type[Exception], ...] = (OSError, ValueError, ImportError)
 
 
 @dataclass(frozen=True)
@@ -89,53 +89,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except BAD_INPUT_ERRORS as error:
         return print_error(args.command, first_line(error))
-
-
-def first_line(error: BaseException) -> str:
-    """The first non-empty line of ``error``'s message (its type name when it has none)."""
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return lines[0].strip() if lines else type(error).__name__
-
-
-def folder_error(name: str) -> str | None:
-    """``"no such folder: NAME"`` (or ``"not a folder: NAME"``) when ``name`` looks like a local path
-    (:func:`looks_like_local_path`) and is no folder; ``None`` otherwise (a folder, or a Hub repo id)."""
-    if not looks_like_local_path(name):
-        return None
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return None
-    return f"not a folder: {name}" if path.exists() else f"no such folder: {name}"
-
-
-def output_path_error(name: str, *, folder: bool) -> str | None:
-    """A one-line reason why ``name`` cannot be written (``None`` when it can), checked without creating it.
-
-    ``folder=True``: a folder to create or write into; ``folder=False``: a file to create or replace (its folder is
-    created as needed). Fails on an empty name, a file where a folder is needed (or the reverse), and when the
-    nearest existing folder above it refuses a probe file.
-    """
-    if not name.strip():
-        return "empty path"
-    path = Path(name).expanduser().absolute()
-    if path.exists():
-        if folder and not path.is_dir():
-            return f"{name} is a file, not a folder"
-        if not folder and path.is_dir():
-            return f"{name} is a folder, not a file"
-    existing = path if folder else path.parent
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"cannot create {name}: {existing} is a file"
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as error:
-        return f"cannot write to {existing}: {error.strerror or first_line(error)}"
-    if not folder and path.exists() and not os.access(path, os.W_OK):
-        return f"cannot write to {name}: permission denied"
-    return None
 
 
 def add_shared_option(parser: argparse._ActionsContainer, flag: str, **command_options) -> None:
@@ -180,7 +133,7 @@ def _setup_convert(parser: argparse.ArgumentParser) -> None:
 
 
 def _setup_inspect(parser: argparse.ArgumentParser) -> None:
-    from .diagnostics_cli import INSPECT_DESCRIPTION, add_inspect_arguments, run_inspect  # loads models: only here
+    from .diagnostics.cli import INSPECT_DESCRIPTION, add_inspect_arguments, run_inspect  # loads models: only here
 
     parser.description = INSPECT_DESCRIPTION
     add_inspect_arguments(parser).set_defaults(run=run_inspect)
@@ -309,13 +262,6 @@ def _print_report(report: ConversionReport) -> None:
         print(f"Verification: {report.verification.summary()}")
 
 
-def print_error(command: str, message: str) -> int:
-    """Print ``message`` as one ``hf-mhc COMMAND: error: ...`` line on stderr (its whitespace runs made single spaces);
-    return the error status, 1."""
-    print(f"hf-mhc {command}: error: {' '.join(message.split())}", file=sys.stderr)
-    return EXIT_ERROR
-
-
 @contextlib.contextmanager
 def _sigterm_raises_keyboard_interrupt() -> Iterator[None]:
     """Within the block, SIGTERM (e.g. ``kill``) unwinds like Ctrl-C, so the conversion cleans up after itself."""
@@ -334,17 +280,11 @@ def _sigterm_raises_keyboard_interrupt() -> Iterator[None]:
 
 
 __all__ = [
-    "BAD_INPUT_ERRORS",
     "DEFAULT_HC_MULT",
     "SHARED_OPTIONS",
     "SUBCOMMANDS",
     "Subcommand",
     "add_shared_option",
     "build_parser",
-    "first_line",
-    "folder_error",
-    "looks_like_local_path",
     "main",
-    "output_path_error",
-    "print_error",
 ]

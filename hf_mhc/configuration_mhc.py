@@ -7,14 +7,14 @@ import difflib
 import math
 import os
 from collections.abc import Iterable
-from typing import Literal
+from typing import Literal, get_args
 
 from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from .mhc_reference import RESIDUAL_MAPS, check_permutation_streams
+from .mhc_reference import DEFAULT_RESIDUAL_MAP, POST_MAGNITUDE, RESIDUAL_MAPS, ResidualMap, check_permutation_streams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +93,12 @@ BACKBONE_WIRINGS: dict[str, BackboneWiring] = {
     "deepseek_v3": PRE_NORM,
 }
 SUPPORTED_BACKBONES: tuple[str, ...] = tuple(BACKBONE_WIRINGS)
-HC_INITS: tuple[str, ...] = ("function_preserving", "deepseek_v4")
-HC_IMPLEMENTATIONS: tuple[str, ...] = ("auto", "reference", "torch", "triton")
+# The float32 mHC modules of a model, by attribute name (their tensor names: model.layers.{i}.attn_hc.fn, ...).
+HC_MODULE_NAMES: tuple[str, ...] = ("attn_hc", "ffn_hc", "hc_head")
+HCInit = Literal["function_preserving", "deepseek_v4"]
+HC_INITS: tuple[str, ...] = get_args(HCInit)
+HCImplementation = Literal["auto", "reference", "torch", "triton"]
+HC_IMPLEMENTATIONS: tuple[str, ...] = get_args(HCImplementation)
 MAX_HC_MULT = 8
 MAX_SINKHORN_ITERS = 100  # each iteration is replayed in backward; beyond 100 Sinkhorn gains little
 
@@ -150,13 +154,13 @@ class MHCConfig(PreTrainedConfig):
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
-    hc_init: Literal["function_preserving", "deepseek_v4"] = "function_preserving"
+    hc_init: HCInit = "function_preserving"
     hc_init_post_delta: float = 0.1
     hc_init_comb_diag: float = 2.0
     hc_init_dynamic_scale: float = 0.01
-    hc_residual_map: Literal["sinkhorn", "unconstrained", "identity", "permutations"] = "sinkhorn"
-    hc_post_magnitude: float = 2.0
-    hc_implementation: Literal["auto", "reference", "torch", "triton"] = "auto"
+    hc_residual_map: ResidualMap = DEFAULT_RESIDUAL_MAP
+    hc_post_magnitude: float = POST_MAGNITUDE
+    hc_implementation: HCImplementation = "auto"
     hc_recompute: bool = False
     tie_word_embeddings: bool | None = None  # None: the backbone's; a value given here is written to the backbone
 
@@ -225,7 +229,7 @@ class MHCConfig(PreTrainedConfig):
         _check_finite("hc_post_magnitude", self.hc_post_magnitude)
         if not self.hc_post_magnitude > 0:
             raise ValueError(f"hc_post_magnitude must be > 0, got {self.hc_post_magnitude!r}.")
-        if self.hc_post_magnitude != 2.0 and self.hc_residual_map != "identity":
+        if self.hc_post_magnitude != POST_MAGNITUDE and self.hc_residual_map != "identity":
             raise ValueError(f"hc_post_magnitude applies to hc_residual_map='identity' only (the other maps' post is "
                              f"fixed: 2σ for sinkhorn and permutations, no σ for unconstrained); got "
                              f"{self.hc_post_magnitude!r} with hc_residual_map={self.hc_residual_map!r}.")
@@ -411,5 +415,5 @@ def load_pretrained_config(name_or_path: str | os.PathLike) -> PreTrainedConfig:
 
 MHCConfig.register_for_auto_class()
 
-__all__ = ["BACKBONE_WIRINGS", "SUPPORTED_BACKBONES", "BackboneWiring", "MHCConfig", "backbone_wiring",
-           "check_attention_heads", "check_backbone_type", "load_pretrained_config"]
+__all__ = ["BACKBONE_WIRINGS", "HC_MODULE_NAMES", "SUPPORTED_BACKBONES", "BackboneWiring", "MHCConfig",
+           "backbone_wiring", "check_attention_heads", "check_backbone_type", "load_pretrained_config"]

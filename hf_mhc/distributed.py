@@ -29,12 +29,14 @@ from transformers.distributed.pipeline_parallel import PipelineIdentityLayer, Pi
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .modeling_mhc import HC_MODULE_NAMES, MHCDecoderLayer, MHCForCausalLM, MHCHyperConnection, MHCHyperHead
+from .configuration_mhc import HC_MODULE_NAMES
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers.modeling_utils import PreTrainedModel
+
+    from .modeling_mhc import MHCForCausalLM
 
 __all__ = ["MHCPipelineStageModule", "TiedEmbeddingSync", "apply_fsdp2", "split_pipeline"]
 
@@ -52,9 +54,17 @@ def hc_mixed_precision() -> MixedPrecisionPolicy:
                                 cast_forward_inputs=False)
 
 
+def is_a(module: nn.Module, *class_names: str) -> bool:
+    """Whether ``module`` is an instance of an mHC class of one of these names (``"MHCDecoderLayer"``, ...), also
+    through a subclass (FSDP2's ``FSDPMHCDecoderLayer``). This file is imported by ``modeling_mhc.py`` (the
+    ``maybe_distribute_model`` hook), so it names the mHC classes instead of importing them; by name, the check also
+    holds for the classes of a checkpoint loaded as remote code."""
+    return any(cls.__name__ in class_names for cls in type(module).__mro__)
+
+
 def hc_modules(model: nn.Module) -> list[nn.Module]:
     """The HC modules of ``model`` (``attn_hc``, ``ffn_hc``, ``hc_head``), in module order."""
-    return [module for module in model.modules() if isinstance(module, (MHCHyperConnection, MHCHyperHead))]
+    return [module for module in model.modules() if is_a(module, "MHCHyperConnection", "MHCHyperHead")]
 
 
 def shard_hc_units(modules: Iterable[nn.Module], **fully_shard_options) -> None:
@@ -109,7 +119,7 @@ def apply_fsdp2(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    decoder_layers = [module for module in model.modules() if isinstance(module, MHCDecoderLayer)]
+    decoder_layers = [module for module in model.modules() if is_a(module, "MHCDecoderLayer")]
     if not decoder_layers:
         raise ValueError(f"apply_fsdp2 needs an mHC model (e.g. MHCForCausalLM); {type(model).__name__} is not one.")
     if mesh is None:
@@ -231,7 +241,7 @@ def _stage_positions_and_masks(model: PreTrainedModel, cache, forward_kwargs: di
     backbone = model.config.backbone_config
     first_layer: dict[str, int] = {}
     for index, layer in enumerate(model.base_model.layers):
-        if isinstance(layer, MHCDecoderLayer):
+        if is_a(layer, "MHCDecoderLayer"):
             first_layer.setdefault(layer.attention_type, index)
     updates = {}
     position_ids = forward_kwargs.get("position_ids")
@@ -341,7 +351,7 @@ class MHCPipelineStageModule(nn.Module):
     def stream_dtype(self) -> torch.dtype:
         """The dtype the stage computes its streams in: that of its backbone weights (the float32 HC modules
         aside)."""
-        layer = next(layer for layer in self.model.layers if isinstance(layer, MHCDecoderLayer))
+        layer = next(layer for layer in self.model.layers if is_a(layer, "MHCDecoderLayer"))
         hc_parameters = {id(parameter) for name in HC_MODULE_NAMES if hasattr(layer, name)
                          for parameter in getattr(layer, name).parameters()}
         return next(parameter.dtype for parameter in layer.parameters() if id(parameter) not in hc_parameters)
@@ -407,7 +417,7 @@ def split_pipeline(
     Returns:
         ``num_stages`` :class:`MHCPipelineStageModule` s, in pipeline order.
     """
-    if not isinstance(model, MHCForCausalLM):
+    if not is_a(model, "MHCForCausalLM"):
         raise TypeError(f"split_pipeline needs an MHCForCausalLM (it ends in logits); got {type(model).__name__}.")
     splits = pipeline_layer_split(len(model.model.layers), num_stages)
     lm_head = model.lm_head

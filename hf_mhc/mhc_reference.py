@@ -12,11 +12,19 @@ import functools
 import itertools
 import math
 from collections.abc import Callable
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
-RESIDUAL_MAPS: tuple[str, ...] = ("sinkhorn", "unconstrained", "identity", "permutations")
+# The residual maps (MHCConfig.hc_residual_map): written once, as the type; the tuple is derived from it.
+ResidualMap = Literal["sinkhorn", "unconstrained", "identity", "permutations"]
+RESIDUAL_MAPS: tuple[str, ...] = get_args(ResidualMap)
+# MHCConfig's defaults (hc_residual_map, hc_post_magnitude), which it takes from here: this file ships flat beside
+# modeling_mhc.py and imports nothing of the package. post = POST_MAGNITUDE·σ(...) for every map; only the identity
+# map takes another magnitude (HY-V4's hc_magnitude).
+DEFAULT_RESIDUAL_MAP: ResidualMap = "sinkhorn"
+POST_MAGNITUDE = 2.0
 MAX_PERMUTATION_STREAMS = 4  # the most streams "permutations" takes: see check_permutation_streams
 
 
@@ -29,7 +37,7 @@ def check_permutation_streams(n: int, name: str, map_setting: str = "residual_ma
                          f"permutation matrices, a cost that grows as n! (24 at n=4, 120 at n=5); got {name}={n}.")
 
 
-def map_sizes(n: int, residual_map: str = "sinkhorn") -> tuple[int, int, int]:
+def map_sizes(n: int, residual_map: ResidualMap = DEFAULT_RESIDUAL_MAP) -> tuple[int, int, int]:
     """Columns of ``mix`` (rows of ``fn``, entries of ``base``) for ``pre``, ``post`` and ``comb``: ``comb`` has
     ``n*n`` for sinkhorn and unconstrained, none for identity and ``n!`` (one weight per permutation) for
     permutations."""
@@ -39,7 +47,7 @@ def map_sizes(n: int, residual_map: str = "sinkhorn") -> tuple[int, int, int]:
     return n, n, comb[residual_map]
 
 
-def scale_size(residual_map: str = "sinkhorn") -> int:
+def scale_size(residual_map: ResidualMap = DEFAULT_RESIDUAL_MAP) -> int:
     """Entries of ``scale``: one per map group (pre, post[, comb])."""
     return 2 if residual_map == "identity" else 3
 
@@ -99,8 +107,8 @@ def mhc_maps(
     *,
     sinkhorn_iters: int,
     eps: float,
-    residual_map: str = "sinkhorn",
-    post_magnitude: float = 2.0,
+    residual_map: ResidualMap = DEFAULT_RESIDUAL_MAP,
+    post_magnitude: float = POST_MAGNITUDE,
     sinkhorn_fn: Callable[[torch.Tensor, int, float], torch.Tensor] | None = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,8 +154,8 @@ def mhc_maps(
 
 def mhc_coeffs(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, sinkhorn_iters: int,
-    eps: float, norm_eps: float, residual_map: str = "sinkhorn", post_magnitude: float = 2.0,
-    compute_dtype: torch.dtype = torch.float32,
+    eps: float, norm_eps: float, residual_map: ResidualMap = DEFAULT_RESIDUAL_MAP,
+    post_magnitude: float = POST_MAGNITUDE, compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token-dependent maps of one sublayer: ``mhc_maps`` of ``mhc_mix``.
 
@@ -173,8 +181,8 @@ def mhc_pre(streams: torch.Tensor, pre: torch.Tensor, *, compute_dtype: torch.dt
 
 def mhc_coeffs_pre(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, sinkhorn_iters: int,
-    eps: float, norm_eps: float, residual_map: str = "sinkhorn", post_magnitude: float = 2.0,
-    compute_dtype: torch.dtype = torch.float32,
+    eps: float, norm_eps: float, residual_map: ResidualMap = DEFAULT_RESIDUAL_MAP,
+    post_magnitude: float = POST_MAGNITUDE, compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A site's entry: the sublayer input ``y [..., C]`` (streams' dtype), ``post [..., n]`` and ``comb [..., n, n]``
     (``compute_dtype``; ``None`` for the identity map, which has nothing to mix), i.e. ``mhc_coeffs`` then

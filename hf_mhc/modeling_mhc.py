@@ -42,7 +42,8 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_mhc import MHCConfig, backbone_wiring, check_backbone_type
+from .configuration_mhc import HC_MODULE_NAMES, MHCConfig, backbone_wiring, check_backbone_type
+from .distributed import distribute_with_transformers
 from .mhc_reference import (
     function_preserving_hc_base,
     function_preserving_head_base,
@@ -56,7 +57,6 @@ from .mhc_reference import (
 
 logger = logging.get_logger(__name__)
 
-HC_MODULE_NAMES: tuple[str, ...] = ("attn_hc", "ffn_hc", "hc_head")  # the float32 mHC modules, by attribute name
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,12 @@ class MHCHyperConnection(nn.Module):
         output can be lost to an in-place op."""
         return self.ops.coeffs_pre(streams, self.fn, self.base, self.scale, **self._map_settings())
 
+    def merge(self, streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor,
+              comb: torch.Tensor | None) -> torch.Tensor:
+        """The sublayer's ``output [B, T, C]`` merged back: ``X'[i] = post[i]·y + Σ_j comb[j, i]·X[j]``, streams'
+        dtype (``comb`` ``None``: ``X'[i] = post[i]·y + X[i]``). Reads no parameter of the site."""
+        return self.ops.post_res(streams, output, post, comb)
+
     def maps(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The site's maps alone: ``pre [B, T, n]``, ``post [B, T, n]``, ``comb [B, T, n, n]`` (float32), ``comb``
         being the one applied (the identity for ``hc_residual_map="identity"``)."""
@@ -267,54 +273,59 @@ class MHCDecoderLayer(GradientCheckpointingLayer):
 
         Around each sublayer: collapse the streams into its input (``attn_hc`` / ``ffn_hc``: ``Σ_i pre[i]·X[i]``,
         through the backbone's norms before it), run it (with the backbone's modules after it and its residual
-        multiplier), merge its output ``y`` back: ``X'[i] = post[i]·y + Σ_j comb[j, i]·X[j]``.
-
-        With ``hc_recompute`` (selective recomputation, mHC paper §4.3.2) the mHC steps run in checkpointed regions:
-        the layer keeps for backward its input streams, the two sublayer outputs and ``post`` / ``comb``, and
-        backward recomputes the coefficients, the collapsed inputs and the streams between the two sublayers, which
-        the two regions after attention remake from the layer's input rather than keep.
+        multiplier), merge its output ``y`` back: ``X'[i] = post[i]·y + Σ_j comb[j, i]·X[j]``. With ``hc_recompute``
+        in training, :meth:`forward_recomputing` runs the same steps instead.
         """
+        if self.hc_recompute and torch.is_grad_enabled():
+            return self.forward_recomputing(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                            cache=cache, use_cache=use_cache,
+                                            position_embeddings=position_embeddings, **kwargs)
         streams = hidden_states
-        recompute = self.hc_recompute and torch.is_grad_enabled()
-        region = functools.partial(checkpoint, use_reentrant=False) if recompute else lambda step, *args: step(*args)
-
-        def collapse(site: MHCHyperConnection, norms: tuple[str, ...], streams: torch.Tensor, *attention):
-            """``site``'s sublayer input (through the backbone's ``norms`` before it), ``post`` and ``comb``, from
-            ``streams`` with the attention merged in first when ``attention`` (its output, post, comb) is given."""
-            if attention:
-                streams = self.attn_hc.ops.post_res(streams, *attention)
-            sublayer_input, post, comb = site(streams)
-            for name in norms:
-                sublayer_input = getattr(self, name)(sublayer_input)
-            return sublayer_input, post, comb
-
-        def merge_mlp(streams: torch.Tensor, mlp_output, mlp_post, mlp_comb, *attention) -> torch.Tensor:
-            """The MLP's output merged into ``streams``, the attention merged in first when ``attention`` is given."""
-            if attention:
-                streams = self.attn_hc.ops.post_res(streams, *attention)
-            return self.ffn_hc.ops.post_res(streams, mlp_output, mlp_post, mlp_comb)
-
-        # Collapse, attention, merge.
-        attn_input, attn_post, attn_comb = region(collapse, self.attn_hc, self.attention_before, streams)
+        attn_input, attn_post, attn_comb = self.collapse(self.attn_hc, self.attention_before, streams)
         attn_output, _ = self.self_attn(hidden_states=attn_input, attention_mask=attention_mask,
                                         position_ids=position_ids, cache=cache, use_cache=use_cache,
                                         position_embeddings=position_embeddings, **kwargs)
-        for name in self.attention_after:
-            attn_output = getattr(self, name)(attn_output)
-        if self.residual_multiplier is not None:
-            attn_output = attn_output * self.residual_multiplier
-        attention = (attn_output, attn_post, attn_comb)
-        if not recompute:  # merged once, here; under hc_recompute the two regions below each merge it again instead
-            streams, attention = self.attn_hc.ops.post_res(streams, *attention), ()
+        attn_output = self.sublayer_output(attn_output, self.attention_after)
+        streams = self.attn_hc.merge(streams, attn_output, attn_post, attn_comb)
 
-        # Collapse, MLP (or MoE block), merge.
-        mlp_input, mlp_post, mlp_comb = region(collapse, self.ffn_hc, self.mlp_before, streams, *attention)
-        mlp_output = self.mlp(mlp_input)
-        for name in self.mlp_after:
-            mlp_output = getattr(self, name)(mlp_output)
-        if self.residual_multiplier is not None:
-            mlp_output = mlp_output * self.residual_multiplier
-        return region(merge_mlp, streams, mlp_output, mlp_post, mlp_comb, *attention)
+        mlp_input, mlp_post, mlp_comb = self.collapse(self.ffn_hc, self.mlp_before, streams)
+        mlp_output = self.sublayer_output(self.mlp(mlp_input), self.mlp_after)
+        return self.ffn_hc.merge(streams, mlp_output, mlp_post, mlp_comb)
+
+    def collapse(self, site: MHCHyperConnection, norms: tuple[str, ...], streams: torch.Tensor, *attention):
+        """``site``'s sublayer input (through the backbone's ``norms`` before it), ``post`` and ``comb``, from
+        ``streams``; with ``attention`` (its output, post and comb), from the streams with the attention merged in."""
+        if attention:
+            streams = self.attn_hc.merge(streams, *attention)
+        sublayer_input, post, comb = site(streams)
+        for name in norms:
+            sublayer_input = getattr(self, name)(sublayer_input)
+        return sublayer_input, post, comb
+
+    def sublayer_output(self, output: torch.Tensor, after: tuple[str, ...]) -> torch.Tensor:
+        """A sublayer's output through the backbone's modules ``after`` it, times its residual multiplier."""
+        for name in after:
+            output = getattr(self, name)(output)
+        return output if self.residual_multiplier is None else output * self.residual_multiplier
+
+    def forward_recomputing(self, streams: torch.Tensor, **attention_kwargs) -> torch.Tensor:
+        """:meth:`forward` under ``hc_recompute`` (selective recomputation, mHC paper §4.3.2): the mHC steps run in
+        checkpointed regions. The layer keeps for backward its input streams, the two sublayer outputs and ``post`` /
+        ``comb``; backward recomputes the coefficients, the collapsed inputs and the streams between the two
+        sublayers, which the two regions after attention remake from the layer's input (merging the attention
+        again) rather than keep."""
+        region = functools.partial(checkpoint, use_reentrant=False)
+        attn_input, attn_post, attn_comb = region(self.collapse, self.attn_hc, self.attention_before, streams)
+        attn_output, _ = self.self_attn(hidden_states=attn_input, **attention_kwargs)
+        attention = (self.sublayer_output(attn_output, self.attention_after), attn_post, attn_comb)
+
+        mlp_input, mlp_post, mlp_comb = region(self.collapse, self.ffn_hc, self.mlp_before, streams, *attention)
+        mlp_output = self.sublayer_output(self.mlp(mlp_input), self.mlp_after)
+        return region(self._merge_both, streams, mlp_output, mlp_post, mlp_comb, *attention)
+
+    def _merge_both(self, streams: torch.Tensor, mlp_output, mlp_post, mlp_comb, *attention) -> torch.Tensor:
+        """The attention, then the MLP's output, merged into the layer's input ``streams``."""
+        return self.ffn_hc.merge(self.attn_hc.merge(streams, *attention), mlp_output, mlp_post, mlp_comb)
 
 
 AUTO_MAP = {
@@ -360,8 +371,6 @@ class MHCPreTrainedModel(PreTrainedModel):
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         """transformers' engine (``from_pretrained(..., distributed_config=DistributedConfig(...))``) with the mHC
         adapters of :mod:`distributed`: float32 FSDP2 units for the HC modules, the streams between pipeline stages."""
-        from .distributed import distribute_with_transformers
-
         return distribute_with_transformers(super().maybe_distribute_model, model, distributed_config, mesh_manager)
 
     def _sync_backbone_attn_implementation(self) -> None:

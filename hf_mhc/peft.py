@@ -26,6 +26,7 @@ import torch
 from peft import LoraConfig, TaskType
 from torch import nn
 
+from .common import folder_error
 from .modeling_mhc import HC_MODULE_NAMES, backbone_classes
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -131,8 +132,6 @@ def adapter_base(adapter_dir: str | os.PathLike) -> str:
     only in memory: save the base model first, see :func:`save_adapter_base`), when its base looks like a local path
     that does not exist, and when ``adapter_config.json`` is missing or not JSON.
     """
-    from .cli import folder_error
-
     config_path = Path(adapter_dir) / ADAPTER_CONFIG_NAME
     try:
         base = json.loads(config_path.read_text(encoding="utf-8")).get("base_model_name_or_path")

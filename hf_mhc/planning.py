@@ -25,9 +25,9 @@ from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from transformers.distributed.tensor_parallel import TensorParallelLayer, get_kv_heads_per_rank
 
 from .activation_count import ACTIVATION_CASES, activations_held
+from .common import DTYPES
 from .compat import require
 from .configuration_mhc import MHCConfig, check_attention_heads, check_backbone_type, load_pretrained_config
-from .conversion.convert import DTYPES  # the model dtypes hf-mhc's commands take
 from .conversion.upcycle import is_hc_parameter, mhc_config_for
 from .distributed import pipeline_layer_split
 
@@ -249,7 +249,7 @@ def plan_memory(
                              "--hc-mult N) to plan the residual config as one")
     check_backbone_type(backbone.model_type, backbone)
     check_attention_heads(backbone)
-    residual_map = residual_map or "sinkhorn"
+    residual_map = residual_map or MHCConfig.hc_residual_map
     # The planned mHC model (validates hc_mult and the map: permutations needs hc_mult <= 4), with the config's
     # attention and experts kernels, as `upcycle` and a loaded model run them.
     mhc_config = None if hc_mult is None else mhc_config_for(backbone, hc_mult=hc_mult, hc_residual_map=residual_map)

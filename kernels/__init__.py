@@ -12,17 +12,8 @@ if __name__ == "hf_mhc.kernels":
         sinkhorn,
     )
 
-    def __getattr__(name: str):
-        """``apply_mhc_kernels`` lives in :mod:`hf_mhc.monkey_patch` (which imports this package): loaded on use."""
-        if name == "apply_mhc_kernels":
-            from hf_mhc.monkey_patch import apply_mhc_kernels
-
-            return apply_mhc_kernels
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
     __all__ = [
         "BACKENDS",
-        "apply_mhc_kernels",
         "mhc_coeffs",
         "mhc_coeffs_pre",
         "mhc_head",

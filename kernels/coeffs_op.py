@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from hf_mhc import mhc_reference
+from hf_mhc.mhc_reference import DEFAULT_RESIDUAL_MAP, POST_MAGNITUDE
 
 from .common import (
     MAP_CODES,
@@ -253,8 +254,8 @@ def _mhc_coeffs_bwd_streams_kernel(
 # --- launchers and torch implementations ------------------------------------------------------------------------
 
 
-def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head, residual_map="sinkhorn",
-                           post_magnitude=2.0):
+def _coeffs_forward_triton(streams, fn, base, scale, iters, eps, norm_eps, head, residual_map=DEFAULT_RESIDUAL_MAP,
+                           post_magnitude=POST_MAGNITUDE):
     n, hidden = streams.shape[-2:]
     x = streams.reshape(-1, n * hidden).contiguous()
     tokens = x.shape[0]
@@ -301,13 +302,14 @@ def _mix_torch(streams, fn, norm_eps):
     return mix.view(*lead, fn.shape[0]), rstd.view(lead)
 
 
-def _column_groups(n: int, head: bool, residual_map: str = "sinkhorn") -> list[int]:
+def _column_groups(n: int, head: bool, residual_map: str = DEFAULT_RESIDUAL_MAP) -> list[int]:
     """Column groups of ``mix``, one per entry of ``scale``: ``[n]`` for the head, ``[n, n, n*n]`` (pre, post, comb)
     for an mHC sublayer, ``[n, n]`` for the identity map, ``[n, n, n!]`` for permutations."""
     return [n] if head else [size for size in mhc_reference.map_sizes(n, residual_map) if size]
 
 
-def _grad_z_torch(mix, base, scale, grads, iters, eps, head, residual_map="sinkhorn", post_magnitude=2.0):
+def _grad_z_torch(mix, base, scale, grads, iters, eps, head, residual_map=DEFAULT_RESIDUAL_MAP,
+                  post_magnitude=POST_MAGNITUDE):
     """Gradient w.r.t. the pre-activations ``z = mix * scale + base`` (layout of ``mix``), in plain torch, for the
     maps that are functions of ``z`` (all but ``"unconstrained"``)."""
     n = grads[0].shape[-1]
@@ -329,7 +331,8 @@ def _grad_z_torch(mix, base, scale, grads, iters, eps, head, residual_map="sinkh
     return torch.cat(grad_z, dim=-1)
 
 
-def _grad_z_triton(mix, base, scale, grads, iters, eps, head, residual_map="sinkhorn", post_magnitude=2.0):
+def _grad_z_triton(mix, base, scale, grads, iters, eps, head, residual_map=DEFAULT_RESIDUAL_MAP,
+                   post_magnitude=POST_MAGNITUDE):
     n_mix = mix.shape[-1]
     n = grads[0].shape[-1]
     mix2d = mix.reshape(-1, n_mix).contiguous()
@@ -352,7 +355,7 @@ def _grad_z_triton(mix, base, scale, grads, iters, eps, head, residual_map="sink
     return grad_z.view(mix.shape)
 
 
-def _per_column(scale, n, head, residual_map="sinkhorn"):
+def _per_column(scale, n, head, residual_map=DEFAULT_RESIDUAL_MAP):
     """``scale`` broadcast over the columns of ``mix`` (one scale per map group)."""
     sizes = torch.tensor(_column_groups(n, head, residual_map), device=scale.device)
     return torch.repeat_interleave(scale.float(), sizes)
@@ -404,7 +407,7 @@ def _streams_and_fn_grad_triton(streams, fn, grad_raw, correction, collapse):
 
 @without_autocast
 def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, backend, head, collapse=None,
-                    residual_map="sinkhorn", post_magnitude=2.0):
+                    residual_map=DEFAULT_RESIDUAL_MAP, post_magnitude=POST_MAGNITUDE):
     """``(d streams, d fn, d base, d scale)`` from the gradients of the maps (``pre[, post, comb]``). ``collapse =
     (pre, d y)`` adds the ``pre`` collapse's own stream gradient ``pre[i] · d y`` in the same pass.
 
@@ -434,8 +437,8 @@ def coeffs_backward(streams, fn, base, scale, mix, rstd, grads, iters, eps, back
 
 
 @without_autocast
-def coeffs_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, head, residual_map="sinkhorn",
-                   post_magnitude=2.0):
+def coeffs_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, head, residual_map=DEFAULT_RESIDUAL_MAP,
+                   post_magnitude=POST_MAGNITUDE):
     """``(pre, post, comb, mix, rstd)`` for a sublayer (``comb`` empty for the identity map), ``(pre_h, mix, rstd)``
     for the head: one fused Triton kernel for every residual map on ``backend="triton"``."""
     if backend == "triton":

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import torch
 
+from hf_mhc.mhc_reference import DEFAULT_RESIDUAL_MAP, POST_MAGNITUDE
+
 from .coeffs_op import coeffs_backward, coeffs_forward, fake_comb
 from .common import zeros_if_none
 from .pre_op import pre_forward, pre_weights_grad
 
 
-def coeffs_pre_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, head, residual_map="sinkhorn",
-                       post_magnitude=2.0):
+def coeffs_pre_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, head, residual_map=DEFAULT_RESIDUAL_MAP,
+                       post_magnitude=POST_MAGNITUDE):
     """``(y, post, comb, pre, mix, rstd)`` for a sublayer (``comb`` empty for the identity map), ``(y, pre, mix,
     rstd)`` for the head."""
     pre, *maps = coeffs_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, head, residual_map,
@@ -32,7 +34,7 @@ def coeffs_pre_forward(streams, fn, base, scale, iters, eps, norm_eps, backend, 
 
 
 def coeffs_pre_backward(streams, fn, base, scale, pre, mix, rstd, grad_y, map_grads, iters, eps, backend, head,
-                        residual_map="sinkhorn", post_magnitude=2.0):
+                        residual_map=DEFAULT_RESIDUAL_MAP, post_magnitude=POST_MAGNITUDE):
     """``(d streams, d fn, d base, d scale)`` from ``d y`` and the gradients of ``post`` / ``comb`` (sublayer)."""
     grad_pre = pre_weights_grad(streams, pre, grad_y, backend)
     return coeffs_backward(streams, fn, base, scale, mix, rstd, (grad_pre, *map_grads), iters, eps, backend, head,

@@ -32,6 +32,7 @@ import math
 import torch
 
 from hf_mhc import mhc_reference
+from hf_mhc.mhc_reference import DEFAULT_RESIDUAL_MAP, POST_MAGNITUDE
 
 from . import cpu_decode
 from .coeffs_op import mhc_coeffs_fwd_op
@@ -130,8 +131,8 @@ def _check_coeffs_args(op: str, streams, fn, base, scale, sinkhorn_iters: int, e
 
 def mhc_coeffs(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, sinkhorn_iters: int,
-    eps: float, norm_eps: float, backend: str | None = None, residual_map: str = "sinkhorn",
-    post_magnitude: float = 2.0,
+    eps: float, norm_eps: float, backend: str | None = None, residual_map: str = DEFAULT_RESIDUAL_MAP,
+    post_magnitude: float = POST_MAGNITUDE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``streams [B, T, n, C]`` -> ``pre [B, T, n]``, ``post [B, T, n]``, ``comb [B, T, n, n]`` (float32; the comb
     applied, an expanded identity for ``residual_map="identity"``)."""
@@ -149,8 +150,8 @@ def mhc_coeffs(
 
 def mhc_coeffs_pre(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, sinkhorn_iters: int,
-    eps: float, norm_eps: float, backend: str | None = None, residual_map: str = "sinkhorn",
-    post_magnitude: float = 2.0,
+    eps: float, norm_eps: float, backend: str | None = None, residual_map: str = DEFAULT_RESIDUAL_MAP,
+    post_magnitude: float = POST_MAGNITUDE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A site's entry in one op: ``streams [B, T, n, C]`` -> the sublayer input ``y [B, T, C]`` (streams' dtype),
     ``post [B, T, n]`` and ``comb [B, T, n, n]`` (float32; ``None`` for the identity map). The same numbers as

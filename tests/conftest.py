@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from packaging.version import Version  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
+from hf_mhc import MHCConfig, MHCForCausalLM  # noqa: E402
 from hf_mhc.cli import main as hf_mhc_main  # noqa: E402
 from hf_mhc.conversion.verify import logit_tolerance  # noqa: E402
 
@@ -147,6 +148,40 @@ def tiny_backbone_config(family: str, *, tie_word_embeddings: bool = False, **ov
     common.update(FAMILY_SETTINGS[family])
     common.update(overrides)
     return AutoConfig.for_model(family, **common)
+
+
+def random_mhc(family: str = "llama", hc_mult: int = 3, *, tie_word_embeddings: bool = False,
+               num_hidden_layers: int = 2, **hc_options):
+    """An mHC model of ``family`` in eval mode with DeepSeek-V4's random HC initialisation, so that every map is
+    token-dependent and non-trivial (and a cache has to carry really mixed streams); ``hc_options``: other
+    ``MHCConfig`` fields."""
+    backbone = tiny_backbone_config(family, tie_word_embeddings=tie_word_embeddings,
+                                    num_hidden_layers=num_hidden_layers)
+    return MHCForCausalLM(MHCConfig(backbone_config=backbone, hc_mult=hc_mult, hc_init="deepseek_v4",
+                                    **hc_options)).eval()
+
+
+def randomize_hc(model, fn_std: float = 0.3, base_std: float = 1.0):
+    """Strongly token-dependent maps at every HC site and in the read-out, in place: random ``fn`` and ``base``
+    (``hc_fn``, ``hc_base``), unit scales. Returns ``model``."""
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "MHCHyperConnection":
+                module.fn.normal_(0.0, fn_std)
+                module.base.normal_(0.0, base_std)
+                module.scale.fill_(1.0)
+            elif type(module).__name__ == "MHCHyperHead":
+                module.hc_fn.normal_(0.0, fn_std)
+                module.hc_base.normal_(0.0, base_std)
+                module.hc_scale.fill_(1.0)
+    return model
+
+
+def token_ids(batch: int = 2, length: int = 10, seed: int | None = None) -> torch.Tensor:
+    """``[batch, length]`` random token ids of the tiny configs' vocabulary, special tokens (0 to 2) left out; drawn
+    from their own generator when ``seed`` is given."""
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)
 
 
 def perturbed_source_model(family: str, *, tie_word_embeddings: bool = False) -> torch.nn.Module:

@@ -1,5 +1,5 @@
-"""Helpers shared by the tests of the diagnostics modules (``hf_mhc.diagnostics``, ``diagnostics_plots``,
-``diagnostics_callback``, ``diagnostics_cli``): small mHC models with non-trivial maps."""
+"""Helpers shared by the tests of the diagnostics modules (the package ``hf_mhc.diagnostics``: ``report``,
+``plots``, ``callback``, ``cli``): small mHC models with non-trivial maps."""
 
 from __future__ import annotations
 
@@ -16,17 +16,6 @@ def three_layer_mhc_model(hc_mult=4, hc_init="function_preserving", **hc_options
         **hc_options,
     )
     return MHCForCausalLM(config).eval()
-
-
-def randomize_hc(model, fn_std=0.3, base_std=1.0):
-    """Strongly token-dependent maps: random fn and base, unit scales."""
-    with torch.no_grad():
-        for module in model.modules():
-            if type(module).__name__ == "MHCHyperConnection":
-                module.fn.normal_(0.0, fn_std)
-                module.base.normal_(0.0, base_std)
-                module.scale.fill_(1.0)
-    return model
 
 
 def known_signed_maps(model, monkeypatch, shape, scale, seed=0):

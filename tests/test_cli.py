@@ -15,17 +15,9 @@ import pytest
 from conftest import save_source
 from transformers import AutoModelForCausalLM
 
-import hf_mhc.diagnostics_cli
-from hf_mhc.cli import (
-    DEFAULT_HC_MULT,
-    SHARED_OPTIONS,
-    add_shared_option,
-    build_parser,
-    folder_error,
-    looks_like_local_path,
-    main,
-    output_path_error,
-)
+import hf_mhc.diagnostics.cli
+from hf_mhc.cli import DEFAULT_HC_MULT, SHARED_OPTIONS, add_shared_option, build_parser, main
+from hf_mhc.common import folder_error, looks_like_local_path, output_path_error
 
 
 def test_local_paths_are_told_from_hub_repo_ids(tmp_path, monkeypatch):
@@ -55,7 +47,7 @@ def test_hf_mhc_says_no_such_folder_and_turns_bad_input_into_one_line(capsys, mo
     def disk_full(args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(hf_mhc.diagnostics_cli, "run_inspect", disk_full)
+    monkeypatch.setattr(hf_mhc.diagnostics.cli, "run_inspect", disk_full)
     assert main(["inspect", "anything"]) == 1
     assert capsys.readouterr().err == "hf-mhc inspect: error: [Errno 28] No space left on device\n"
     with pytest.raises(SystemExit) as exit_info:  # what argparse itself rejects keeps its status 2

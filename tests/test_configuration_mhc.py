@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import math
+import typing
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import assert_logits_close, assert_same_weights, tiny_backbone_config
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
-from hf_mhc import MHCConfig
+from hf_mhc import MHCConfig, configuration_mhc, mhc_reference
 from hf_mhc.configuration_mhc import MAX_SINKHORN_ITERS, hc_options
 
 
@@ -217,3 +220,42 @@ def test_tying_set_on_the_mhc_config_is_the_backbones_and_survives_a_reload(how,
     assert_same_weights(reloaded, model)
     with torch.no_grad():
         assert_logits_close(reloaded(ids).logits, model(ids).logits)
+
+
+def test_each_choice_is_written_once_as_a_literal():
+    """The residual maps, initialisations and implementations are each one ``Literal`` type, the config field's own
+    annotation; the tuples the checks and commands read are ``typing.get_args`` of it."""
+    hints = {name: eval(annotation, vars(configuration_mhc)) if isinstance(annotation, str) else annotation
+             for name, annotation in vars(MHCConfig)["__annotations__"].items()}  # its own fields only
+    for field, literal, choices in (("hc_residual_map", mhc_reference.ResidualMap, mhc_reference.RESIDUAL_MAPS),
+                                    ("hc_init", configuration_mhc.HCInit, configuration_mhc.HC_INITS),
+                                    ("hc_implementation", configuration_mhc.HCImplementation,
+                                     configuration_mhc.HC_IMPLEMENTATIONS)):
+        assert hints[field] is literal and choices == typing.get_args(literal), field
+    assert (MHCConfig.hc_residual_map, MHCConfig.hc_post_magnitude) == (
+        mhc_reference.DEFAULT_RESIDUAL_MAP, mhc_reference.POST_MAGNITUDE)
+
+
+# The defaults that MHCConfig holds, by parameter name, and the constant a signature elsewhere must not repeat.
+CONFIG_DEFAULTS = {"residual_map": "sinkhorn", "hc_residual_map": "sinkhorn", "post_magnitude": 2.0, "hc_mult": 4}
+
+
+def test_no_signature_repeats_a_default_of_the_config():
+    """``"sinkhorn"``, ``2.0`` and ``hc_mult=4`` are written in ``MHCConfig`` (and the flat ``mhc_reference``, which
+    it takes them from) only: every other function of the package takes them from there."""
+    root = Path(__file__).resolve().parents[1]
+    repeated = []
+    for path in sorted([*root.glob("hf_mhc/**/*.py"), *root.glob("kernels/*.py"), *root.glob("conversion/*.py"),
+                        *root.glob("examples/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = [*node.args.posonlyargs, *node.args.args]
+                pairs = [*zip(arguments[len(arguments) - len(node.args.defaults):], node.args.defaults, strict=True),
+                         *zip(node.args.kwonlyargs, node.args.kw_defaults, strict=True)]
+                repeated += [f"{path.relative_to(root)}:{node.lineno} {node.name}({argument.arg}=...)"
+                             for argument, default in pairs if isinstance(default, ast.Constant)
+                             and argument.arg in CONFIG_DEFAULTS and default.value == CONFIG_DEFAULTS[argument.arg]]
+            elif isinstance(node, ast.keyword) and node.arg == "hc_mult" and isinstance(node.value, ast.Constant) \
+                    and node.value.value == CONFIG_DEFAULTS["hc_mult"]:
+                repeated.append(f"{path.relative_to(root)}:{node.value.lineno} hc_mult=4 in a call")
+    assert not repeated, repeated

@@ -29,6 +29,7 @@ from conftest import (
     leftovers,
     save_source,
     tiny_backbone_config,
+    token_ids,
 )
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -329,10 +330,6 @@ def fp8_source(tmp_path_factory) -> tuple[Path, torch.nn.Module, torch.nn.Module
     return folder, *build_fp8_checkpoint(folder, "deepseek_v3")
 
 
-def token_ids() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
-
-
 def logits_of(folder: Path, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     with torch.no_grad():
@@ -347,7 +344,7 @@ def test_fp8_conversion_keeps_the_quantized_bytes_and_the_source_logits(family, 
     tensors in float32, verifies, and loads (dequantized on CPU) with the source's logits."""
     src = tmp_path / "src"
     unquantized, dequantized = build_fp8_checkpoint(src, family)
-    ids = token_ids()
+    ids = token_ids(2, 12, seed=1)
     source_logits = logits_of(src, ids)
     with torch.no_grad():
         scale = dequantized(ids).logits.abs().max().item()
@@ -397,7 +394,7 @@ def test_dtype_casts_only_the_unquantized_tensors_of_an_fp8_checkpoint(fp8_sourc
             assert out_entries[name] == (dtype, shape, data), name
         else:
             assert out_entries[name][0] == "BF16", name
-    ids = token_ids()
+    ids = token_ids(2, 12, seed=1)
     got, expected = logits_of(out, ids, torch.bfloat16), logits_of(src, ids, torch.bfloat16)
     assert (got - expected).abs().max().item() <= 0.1 * max(1.0, expected.abs().max().item())
 
@@ -462,7 +459,7 @@ def test_fp8_routed_experts_in_the_published_layout_convert_byte_exact(tmp_path)
     out_entries = raw_entries(tmp_path / "out")
     assert {name: entry for name, entry in out_entries.items() if not is_hc_parameter(name)} == raw_entries(src)
     assert out_entries[experts[0]][0] == "F8_E4M3"
-    ids = token_ids()
+    ids = token_ids(2, 12, seed=1)
     source_logits = logits_of(src, ids)
     got = logits_of(tmp_path / "out", ids)
     assert (got - source_logits).abs().max().item() <= 1e-4 * max(1.0, source_logits.abs().max().item())

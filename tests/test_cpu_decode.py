@@ -190,7 +190,7 @@ def test_compiled_decode_calls_the_kernels_through_their_custom_ops(counted, mon
 @pytest.mark.parametrize("residual_map", ["sinkhorn", "unconstrained"])
 def test_greedy_generate_same_tokens_as_eager(counted, monkeypatch, residual_map):
     source = AutoModelForCausalLM.from_config(tiny_backbone_config("llama")).eval()
-    model = hf_mhc.upcycle(copy.deepcopy(source), hc_mult=4, residual_map=residual_map).eval()
+    model = hf_mhc.upcycle(copy.deepcopy(source), hc_mult=4, hc_residual_map=residual_map).eval()
     with torch.no_grad():  # HC parameters away from the function-preserving init, so the maps matter
         for name, param in model.named_parameters():
             if name.endswith(("_hc.fn", "_hc.base", "hc_fn", "hc_base")):

@@ -8,13 +8,16 @@ import itertools
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_backbone_config
-from diagnostics_helpers import known_signed_maps, randomize_hc, three_layer_mhc_model
+from conftest import VOCAB, randomize_hc, tiny_backbone_config
+from diagnostics_helpers import known_signed_maps, three_layer_mhc_model
 from transformers import LlamaForCausalLM
 
 import hf_mhc.diagnostics as diagnostics
-from hf_mhc import diagnostics_callback, diagnostics_cli, diagnostics_plots, mhc_reference
+from hf_mhc import mhc_reference
 from hf_mhc.diagnostics import SITE_SCALARS, capture_hc_maps, format_report, report_scalars, stability_report
+from hf_mhc.diagnostics import callback as diagnostics_callback
+from hf_mhc.diagnostics import cli as diagnostics_cli
+from hf_mhc.diagnostics import plots as diagnostics_plots
 from hf_mhc.mhc_reference import RESIDUAL_MAPS
 
 

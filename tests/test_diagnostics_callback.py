@@ -1,4 +1,4 @@
-"""``hf_mhc.diagnostics_callback``: ``MHCStabilityCallback`` logs the stability report through ``Trainer.log``."""
+"""``hf_mhc.diagnostics.callback``: ``MHCStabilityCallback`` logs the stability report through ``Trainer.log``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from diagnostics_helpers import three_layer_mhc_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_mhc.diagnostics import report_scalars, stability_report
-from hf_mhc.diagnostics_callback import MHCStabilityCallback
+from hf_mhc.diagnostics.callback import MHCStabilityCallback
 
 
 class LogRecorder(TrainerCallback):

@@ -1,4 +1,4 @@
-"""``hf_mhc.diagnostics_cli``: ``hf-mhc inspect`` prints the table, writes strict JSON and the plots, refuses bad
+"""``hf_mhc.diagnostics.cli``: ``hf-mhc inspect`` prints the table, writes strict JSON and the plots, refuses bad
 input in one line before it loads anything, and plugs into a subcommand parser."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import sys
 
 import pytest
 import torch
-from conftest import STORIES260K, tiny_backbone_config
-from diagnostics_helpers import randomize_hc, three_layer_mhc_model
+from conftest import STORIES260K, randomize_hc, tiny_backbone_config
+from diagnostics_helpers import three_layer_mhc_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 import hf_mhc
-from hf_mhc import diagnostics_cli
-from hf_mhc.diagnostics_cli import add_inspect_arguments, inspect_main, run_inspect
+from hf_mhc.diagnostics import cli as diagnostics_cli
+from hf_mhc.diagnostics.cli import add_inspect_arguments, inspect_main, run_inspect
 
 
 def test_inspect_cli_prints_the_table_for_a_checkpoint_without_tokenizer(tmp_path, capsys):

@@ -1,15 +1,15 @@
-"""``hf_mhc.diagnostics_plots``: the overview and per-layer figures label their axes, mark 1, draw float noise flat,
+"""``hf_mhc.diagnostics.plots``: the overview and per-layer figures label their axes, mark 1, draw float noise flat,
 name the residual map measured and hold signed, expanding maps unclipped (caught at ``savefig``, nothing rendered)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB
-from diagnostics_helpers import known_signed_maps, randomize_hc, three_layer_mhc_model
+from conftest import VOCAB, randomize_hc
+from diagnostics_helpers import known_signed_maps, three_layer_mhc_model
 
 from hf_mhc.diagnostics import format_report, stability_report
-from hf_mhc.diagnostics_plots import plot_report
+from hf_mhc.diagnostics.plots import plot_report
 from hf_mhc.mhc_reference import RESIDUAL_MAPS
 
 

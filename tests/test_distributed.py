@@ -22,6 +22,7 @@ from conftest import (
     WORLD_SIZE,
     assert_ordinary_mhc_folder,
     import_script,
+    random_mhc,
     remote_code_logits,
     tiny_backbone_config,
     torchrun,
@@ -36,11 +37,6 @@ from hf_mhc.distributed import TiedEmbeddingSync, apply_fsdp2, pipeline_layer_sp
 assert_close_to_scale = import_script(WORKERS / "tolerances.py").assert_close_to_scale
 
 needs_distributed = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-
-
-def tiny_mhc(family: str = "llama", num_layers: int = 4, **backbone_overrides) -> MHCForCausalLM:
-    backbone = tiny_backbone_config(family, num_hidden_layers=num_layers, **backbone_overrides)
-    return MHCForCausalLM(MHCConfig(backbone_config=backbone, hc_mult=3, hc_init="deepseek_v4")).eval()
 
 
 def run_stages(stages, input_ids: torch.Tensor) -> torch.Tensor:
@@ -65,7 +61,7 @@ def test_distributed_config_runs_the_remote_code_a_checkpoint_ships(tmp_path):
     """Where ``hf_mhc`` cannot be imported, a checkpoint loaded with ``trust_remote_code=True`` and a
     ``DistributedConfig`` (pipeline and FSDP2) runs the distribution code it ships and gives the one-process logits."""
     folder = tmp_path / "checkpoint"
-    tiny_mhc(num_layers=2).save_pretrained(folder)
+    random_mhc(num_hidden_layers=2).save_pretrained(folder)
     assert (folder / "distributed.py").is_file()
     output = torchrun(WORKERS / "remote_code_worker.py", str(folder), cwd=tmp_path)
     for rank in range(WORLD_SIZE):
@@ -105,7 +101,7 @@ def test_fsdp2_units_return_no_views(fsdp_launch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hyper_connection_outputs_are_not_views_while_training(dtype):
     """FSDP2 hooks a unit's outputs for backward and warns about views (an in-place op on one drops the hook)."""
-    config = tiny_mhc(num_layers=1).config
+    config = random_mhc(num_hidden_layers=1).config
     trunk = MHCForCausalLM._from_config(config, dtype=dtype).train().model
     streams = torch.randn(2, 5, 3, 32, dtype=dtype, requires_grad=True)
     outputs = (*trunk.layers[0].attn_hc(streams), trunk.hc_head(streams))
@@ -128,7 +124,7 @@ def test_apply_fsdp2_rejects_a_model_without_mhc_layers():
 def test_apply_fsdp2_without_a_process_group_says_to_initialise_one():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
-        apply_fsdp2(tiny_mhc(num_layers=1))
+        apply_fsdp2(random_mhc(num_hidden_layers=1))
 
 
 # --- pipeline stages, in one process --------------------------------------------------------------------------------
@@ -136,7 +132,7 @@ def test_apply_fsdp2_without_a_process_group_says_to_initialise_one():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chained_stages_compute_the_model(family):
-    model = tiny_mhc(family, num_layers=3)
+    model = random_mhc(family, num_hidden_layers=3)
     input_ids = torch.randint(3, VOCAB, (2, 10))  # longer than Mistral's sliding window of 6
     with torch.no_grad():
         expected = model(input_ids).logits
@@ -145,7 +141,7 @@ def test_chained_stages_compute_the_model(family):
 
 
 def test_stages_carry_the_streams_and_hold_only_their_parameters():
-    model = tiny_mhc(num_layers=5)
+    model = random_mhc(num_hidden_layers=5)
     first, last = split_pipeline(model, 2)
     assert [list(split) for split in pipeline_layer_split(5, 2)] == [[0, 1, 2], [3, 4]]
     first_names, last_names = set(dict(first.named_parameters())), set(dict(last.named_parameters()))
@@ -165,7 +161,7 @@ def test_stages_carry_the_streams_and_hold_only_their_parameters():
 
 def test_the_streams_cross_in_the_model_dtype_by_default():
     for dtype in (torch.float32, torch.bfloat16):
-        model = MHCForCausalLM._from_config(tiny_mhc(num_layers=2).config, dtype=dtype)
+        model = MHCForCausalLM._from_config(random_mhc(num_hidden_layers=2).config, dtype=dtype)
         first, last = split_pipeline(model, 2)
         assert first.stream_dtype == last.stream_dtype == dtype
         assert first(torch.randint(3, VOCAB, (2, 7))).dtype == dtype
@@ -177,7 +173,7 @@ def test_a_bf16_boundary_halves_the_bytes_and_keeps_the_logits_to_bf16_rounding(
     the bytes, and the receiving stage computes in float32 again. Each of the 2 boundaries rounds the streams once
     (2**-9 of each entry): the logits stay within one bf16 step (2**-8) of the largest float32 logit per boundary
     (measured: 0.4 of one step in all)."""
-    model = tiny_mhc(family, num_layers=3)
+    model = random_mhc(family, num_hidden_layers=3)
     input_ids = torch.randint(3, VOCAB, (2, 10))
     exact = split_pipeline(model, 3)
     rounded = split_pipeline(model, 3, boundary_dtype=torch.bfloat16)
@@ -204,7 +200,7 @@ def test_a_bf16_boundary_halves_the_bytes_and_keeps_the_logits_to_bf16_rounding(
 def test_running_stages_leaves_the_models_recorded_outputs_alone(family):
     """Stages run the full model's layers: the hidden states and router logits the model records stay one per layer
     after its stages have run."""
-    model = tiny_mhc(family, num_layers=2)
+    model = random_mhc(family, num_hidden_layers=2)
     model.config.output_hidden_states = True
     model.config.backbone_config.output_router_logits = family == "qwen3_moe"
     input_ids = torch.randint(3, VOCAB, (2, 7))
@@ -220,7 +216,7 @@ def test_running_stages_leaves_the_models_recorded_outputs_alone(family):
 
 
 def test_stage_state_dicts_use_the_full_model_names():
-    model = tiny_mhc(num_layers=2)
+    model = random_mhc(num_hidden_layers=2)
     stages = split_pipeline(model, 2)
     merged = {**stages[0].state_dict(), **stages[1].state_dict()}
     full = model.state_dict()
@@ -230,7 +226,7 @@ def test_stage_state_dicts_use_the_full_model_names():
 
 
 def test_stages_reject_the_wrong_input():
-    first, second = split_pipeline(tiny_mhc(num_layers=2), 2)
+    first, second = split_pipeline(random_mhc(num_hidden_layers=2), 2)
     with pytest.raises(ValueError, match=r"input_ids \[B, T\]"):
         first(torch.zeros(2, 7, 3, 32))
     with pytest.raises(ValueError, match=r"streams \[B, T, n, C\]"):
@@ -239,18 +235,18 @@ def test_stages_reject_the_wrong_input():
 
 def test_more_stages_than_layers_is_a_one_line_error():
     with pytest.raises(ValueError, match="exceeds the model's 2 decoder layers") as error:
-        split_pipeline(tiny_mhc(num_layers=2), 3)
+        split_pipeline(random_mhc(num_hidden_layers=2), 3)
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match="num_stages must be >= 1"):
-        split_pipeline(tiny_mhc(num_layers=2), 0)
+        split_pipeline(random_mhc(num_hidden_layers=2), 0)
     with pytest.raises(TypeError, match="needs an MHCForCausalLM"):
-        split_pipeline(MHCModel(tiny_mhc(num_layers=2).config), 1)
+        split_pipeline(MHCModel(random_mhc(num_hidden_layers=2).config), 1)
 
 
 def test_tied_embeddings_stay_tied_across_stages_or_untie_on_request():
     """The first stage holds the weight, the last a copy; ``TiedEmbeddingSync`` gives both the sum of their
     gradients (here all stages run in one process: a local sum), so they take the same step."""
-    model = tiny_mhc(num_layers=3, tie_word_embeddings=True)
+    model = random_mhc(num_hidden_layers=3, tie_word_embeddings=True)
     embedding = model.model.embed_tokens.weight
     assert model.lm_head.weight is embedding
     stages = split_pipeline(model, 3)

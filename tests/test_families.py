@@ -9,13 +9,14 @@ from conftest import (
     DENSE_FAMILIES,
     FLOAT32_TOLERANCES,
     MOE_FAMILIES,
-    VOCAB,
     assert_logits_close,
     assert_same_weights,
     loss_gradients,
     perturbed_source_model,
+    randomize_hc,
     remote_code_logits,
     tiny_backbone_config,
+    token_ids,
 )
 from peft import get_peft_model
 from peft.tuners.lora import LoraLayer
@@ -30,7 +31,6 @@ from hf_mhc.configuration_mhc import BACKBONE_WIRINGS, SUPPORTED_BACKBONES, Back
 from hf_mhc.conversion import is_hc_parameter
 from hf_mhc.distributed import split_pipeline
 from hf_mhc.mhc_reference import RESIDUAL_MAPS, sinkhorn
-from hf_mhc.modeling_mhc import HC_MODULE_NAMES
 from hf_mhc.peft import lora_target_modules, mhc_lora_config
 
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
@@ -42,19 +42,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def source_model(family: str) -> torch.nn.Module:
     return perturbed_source_model(family)
-
-
-def randomise_hc(model: MHCForCausalLM) -> MHCForCausalLM:
-    """Token-dependent, non-trivial maps at every site (as DeepSeek-V4's initialisation gives), in place."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if any(f".{module}." in f".{name}" for module in HC_MODULE_NAMES):
-                param.add_(0.3 * torch.randn_like(param))
-    return model
-
-
-def token_ids(batch: int = 2, length: int = 10) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (batch, length))
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -128,7 +115,7 @@ def test_stream_mean_follows_the_residual_stream(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cached_greedy_equals_uncached(family):
-    mhc = randomise_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).eval()
+    mhc = randomize_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).eval()
     ids = token_ids(2, 7)
     cached = mhc.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
     uncached = mhc.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False, pad_token_id=0)
@@ -138,7 +125,7 @@ def test_cached_greedy_equals_uncached(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_save_and_from_pretrained_give_the_same_logits(family, tmp_path):
-    mhc = randomise_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).eval()
+    mhc = randomize_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).eval()
     mhc.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(reloaded) is MHCForCausalLM
@@ -156,11 +143,11 @@ def remote_and_local_logits(tmp_path_factory):
     torch.manual_seed(0)  # module-scoped: set up before the per-test seed
     ids = token_ids()
     models = {family: hf_mhc.upcycle(source_model(family), hc_mult=3) for family in FAMILIES}
-    models |= {f"llama-{name}": hf_mhc.upcycle(source_model("llama"), hc_mult=4, residual_map=name)
+    models |= {f"llama-{name}": hf_mhc.upcycle(source_model("llama"), hc_mult=4, hc_residual_map=name)
                for name in RESIDUAL_MAPS}
     local = {}
     for name, model in models.items():
-        model = randomise_hc(model).eval()
+        model = randomize_hc(model).eval()
         model.save_pretrained(root / name)
         with torch.no_grad():
             local[name] = model(ids).logits
@@ -205,7 +192,7 @@ def test_moe_experts_save_and_load_in_the_published_layout(family, tmp_path):
     source does, one tensor per expert under the family's published names, and loads them back."""
     source = source_model(family)
     source.save_pretrained(tmp_path / "src")
-    mhc = randomise_hc(hf_mhc.upcycle(source, hc_mult=3)).eval()
+    mhc = randomize_hc(hf_mhc.upcycle(source, hc_mult=3)).eval()
     mhc.save_pretrained(tmp_path / "mhc")
     saved = saved_tensor_names(tmp_path / "mhc")
     assert {name for name in saved if not is_hc_parameter(name)} == saved_tensor_names(tmp_path / "src")
@@ -220,7 +207,7 @@ def test_moe_experts_save_and_load_in_the_published_layout(family, tmp_path):
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_moe_checkpoints_saved_with_fused_experts_still_load(family, tmp_path, monkeypatch):
     """mHC checkpoints written before the published layout held the fused in-memory tensors."""
-    mhc = randomise_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).eval()
+    mhc = randomize_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).eval()
     with monkeypatch.context() as patch:  # no conversions at save: the tensors as they are in memory
         patch.setattr(modeling_mhc, "use_backbone_weight_conversions",
                       lambda family: register_checkpoint_conversion_mapping("mhc", [], overwrite=True))
@@ -271,7 +258,7 @@ def test_lora_targets_the_family_projections(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gradient_checkpointing_gives_the_same_gradients(family):
     """Before any optimizer step: the same gradients with activation checkpointing, and with it plus hc_recompute."""
-    model = randomise_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).train()
+    model = randomize_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).train()
     ids = token_ids()
 
     plain = loss_gradients(model, ids)
@@ -291,7 +278,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(family):
 def test_pipeline_stages_compute_the_model(family):
     """The stages run the model's own layer loop, embedding scaling, rotary embeddings per attention kind and logit
     scaling: chained, they give the model's logits."""
-    mhc = randomise_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).eval()
+    mhc = randomize_hc(hf_mhc.upcycle(source_model(family), hc_mult=3)).eval()
     ids = token_ids(2, 9)  # longer than the sliding windows
     with torch.no_grad():
         expected = mhc(ids).logits

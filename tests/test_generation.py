@@ -10,21 +10,15 @@ import warnings
 
 import pytest
 import torch
-from conftest import FLOAT32_TOLERANCES, VOCAB, tiny_backbone_config
+from conftest import FLOAT32_TOLERANCES, VOCAB, random_mhc
 from transformers import CompileConfig, DynamicCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
-from hf_mhc import MHCConfig, MHCForCausalLM, MHCModel
+from hf_mhc import MHCForCausalLM, MHCModel
 from hf_mhc.modeling_mhc import attention_layer_types
 from hf_mhc.profiling import cache_bytes
 
 PROMPT_LENGTH, NEW_TOKENS, HC_MULT = 5, 6, 3
-
-
-def random_mhc(family: str = "llama", num_hidden_layers: int = 2) -> MHCForCausalLM:
-    """DeepSeek-V4's random HC init: token-dependent maps, so the cache has to carry real mixed streams."""
-    backbone = tiny_backbone_config(family, num_hidden_layers=num_hidden_layers)
-    return MHCForCausalLM(MHCConfig(backbone_config=backbone, hc_mult=HC_MULT, hc_init="deepseek_v4")).eval()
 
 
 def prompt(batch: int = 2) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
 import subprocess
 import sys
@@ -16,7 +18,9 @@ from conftest import (
     assert_logits_close,
     assert_same_weights,
     loss_gradients,
+    random_mhc,
     tiny_backbone_config,
+    token_ids,
 )
 from transformers import (
     AutoConfig,
@@ -27,17 +31,7 @@ from transformers import (
 
 from hf_mhc import MHCConfig, MHCForCausalLM, MHCForSequenceClassification, MHCModel
 from hf_mhc.mhc_reference import map_sizes
-
-
-def random_mhc(family="llama", hc_mult=3, tie_word_embeddings=False, **overrides):
-    """An mHC model with DeepSeek-V4's random HC init, so every map is token-dependent and non-trivial."""
-    backbone = tiny_backbone_config(family, tie_word_embeddings=tie_word_embeddings)
-    config = MHCConfig(backbone_config=backbone, hc_mult=hc_mult, hc_init="deepseek_v4", **overrides)
-    return MHCForCausalLM(config).eval()
-
-
-def token_ids(batch=2, length=9):
-    return torch.randint(3, VOCAB, (batch, length))
+from hf_mhc.modeling_mhc import MHCDecoderLayer
 
 
 def test_auto_classes_are_registered():
@@ -438,3 +432,24 @@ def test_selective_recomputation_gives_the_same_gradients(residual_map):
     torch.testing.assert_close(recomputed_logits, logits, atol=0, rtol=0)
     for name, grad in grads.items():
         torch.testing.assert_close(recomputed[name], grad, **FLOAT32_TOLERANCES["gradients"], msg=name)
+
+
+def test_the_decoder_layer_forward_is_a_plain_sequence():
+    """``MHCDecoderLayer.forward`` reads top to bottom (collapse, attention, merge, collapse, MLP, merge) with no
+    function defined inside it; selective recomputation is a method of its own, ``forward_recomputing``, and both
+    give the same streams (gradients: ``test_selective_recomputation_*``)."""
+    forward = ast.parse(textwrap.dedent(inspect.getsource(MHCDecoderLayer.forward))).body[0]
+    nested = [node for node in ast.walk(forward) if node is not forward and isinstance(node, (ast.FunctionDef,
+                                                                                            ast.Lambda))]
+    assert not nested, [ast.unparse(node)[:60] for node in nested]
+    calls = sorted((node for node in ast.walk(forward) if isinstance(node, ast.Call)),
+                   key=lambda node: (node.lineno, node.col_offset))
+    calls = [ast.unparse(node.func) for node in calls]
+    assert [call for call in calls if call.rpartition(".")[2] in ("collapse", "self_attn", "merge", "mlp")] == [
+        "self.collapse", "self.self_attn", "self.attn_hc.merge", "self.collapse", "self.mlp", "self.ffn_hc.merge"]
+    model, ids = random_mhc(), token_ids()
+    layer, streams = model.model.layers[0], model.model.embed_tokens(ids).unsqueeze(-2).expand(-1, -1, 3, -1)
+    position_embeddings = model.model.rotary_emb(streams[..., 0, :], torch.arange(ids.shape[1])[None])
+    plain = layer(streams, position_embeddings=position_embeddings)
+    recomputed = layer.forward_recomputing(streams, position_embeddings=position_embeddings)
+    torch.testing.assert_close(recomputed, plain, rtol=0, atol=0)  # the same ops on the same tensors

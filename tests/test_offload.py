@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.utils.offload import OffloadedWeightsLoader
-from conftest import MOE_FAMILIES, VOCAB, assert_logits_close, tiny_backbone_config
+from conftest import MOE_FAMILIES, assert_logits_close, tiny_backbone_config, token_ids
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
@@ -85,10 +85,6 @@ def assert_experts_on_disk(model: torch.nn.Module, reference: torch.nn.Module, o
         loader = next(loaders[module] for module in offloaded if name.startswith(module + "."))
         assert torch.equal(loader[name], expected[name].detach()), name
     return {Path(entry["safetensors_file"]).parent for entry in index.values()}
-
-
-def token_ids(batch: int = 2, length: int = 10) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (batch, length))
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
+import warnings
+
 import pytest
 import torch
 from conftest import FAMILIES, STORIES260K, VOCAB, assert_logits_close, perturbed_source_model, tiny_backbone_config
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import hf_mhc
-from hf_mhc import SUPPORTED_BACKBONES, MHCForCausalLM
+from hf_mhc import SUPPORTED_BACKBONES, MHCConfig, MHCForCausalLM
+from hf_mhc.conversion import convert_checkpoint
 from hf_mhc.conversion.upcycle import mhc_config_for
 
 
@@ -154,7 +158,7 @@ def test_every_residual_map_upcycles_to_the_source_logits(family, residual_map, 
     """Each map's function-preserving start (``fn = 0``, biases making ``pre = 1/n``, ``mean(post) = 1`` and rows of
     ``comb`` summing to 1) reproduces the source, also with post-norms (OLMo 2) and residual multipliers (Granite)."""
     source = source_model(family, tied=False)
-    mhc = hf_mhc.upcycle(source, hc_mult=hc_mult, residual_map=residual_map).eval()
+    mhc = hf_mhc.upcycle(source, hc_mult=hc_mult, hc_residual_map=residual_map).eval()
     assert mhc.config.hc_residual_map == residual_map
     ids = torch.randint(0, VOCAB, (2, 12))
     with torch.no_grad():
@@ -170,7 +174,7 @@ def test_function_preserving_init_of_each_map_gives_its_stated_values(residual_m
     """``pre = 1/n``, every stream its own ``post`` with mean 1, and ``comb``: the identity (unconstrained, identity)
     or a doubly stochastic matrix with mHC's starting diagonal (permutations)."""
     n = 4
-    mhc = hf_mhc.upcycle(source_model("llama", tied=False), hc_mult=n, residual_map=residual_map,
+    mhc = hf_mhc.upcycle(source_model("llama", tied=False), hc_mult=n, hc_residual_map=residual_map,
                          **({"hc_post_magnitude": 3.0} if residual_map == "identity" else {}))
     site = mhc.model.layers[1].attn_hc
     pre, post, comb = (m[0, 0] for m in site.maps(torch.randn(1, 1, n, 32)))
@@ -187,7 +191,7 @@ def test_function_preserving_init_of_each_map_gives_its_stated_values(residual_m
 def test_every_residual_map_gives_the_function_preserving_hc_tensors_of_its_init(residual_map):
     from hf_mhc.modeling_mhc import function_preserving_hc_tensors
 
-    config = hf_mhc.upcycle(source_model("qwen2", tied=True), hc_mult=3, residual_map=residual_map).config
+    config = hf_mhc.upcycle(source_model("qwen2", tied=True), hc_mult=3, hc_residual_map=residual_map).config
     state = MHCForCausalLM(config).state_dict()
     for name, tensor in function_preserving_hc_tensors(config).items():
         assert torch.equal(state[name], tensor), name
@@ -197,12 +201,31 @@ def test_every_residual_map_gives_the_function_preserving_hc_tensors_of_its_init
 @pytest.mark.parametrize("residual_map", ["unconstrained", "identity", "permutations"])
 def test_real_pretrained_llama_upcycles_exactly_with_each_residual_map(residual_map):
     source = AutoModelForCausalLM.from_pretrained(STORIES260K).eval()
-    mhc = hf_mhc.upcycle(source, hc_mult=4, residual_map=residual_map).eval()
+    mhc = hf_mhc.upcycle(source, hc_mult=4, hc_residual_map=residual_map).eval()
     ids = torch.randint(3, source.config.vocab_size, (2, 48))
     with torch.no_grad():
         assert_logits_close(mhc(ids).logits, source(ids).logits)
 
 
-def test_upcycle_refuses_two_different_residual_maps():
-    with pytest.raises(ValueError, match="upcycle got residual_map='identity' and hc_residual_map='permutations'"):
-        hf_mhc.upcycle(source_model("llama", tied=False), residual_map="identity", hc_residual_map="permutations")
+def test_the_residual_map_alias_is_deprecated_but_still_accepted():
+    """``residual_map``, the former name of ``hc_residual_map``, works for one more release with a FutureWarning that
+    names the field; given with a different ``hc_residual_map`` it is refused; ``hc_residual_map`` alone warns not."""
+    source = source_model("llama", tied=False)
+    with pytest.warns(FutureWarning, match=r"residual_map is deprecated .* hf-mhc 0\.2\.0: pass "
+                                           r"hc_residual_map='identity'"):
+        assert hf_mhc.upcycle(source, hc_mult=2, residual_map="identity").config.hc_residual_map == "identity"
+    with pytest.warns(FutureWarning), pytest.raises(
+            ValueError, match="upcycle got residual_map='identity' and hc_residual_map='permutations'"):
+        hf_mhc.upcycle(source, residual_map="identity", hc_residual_map="permutations")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert hf_mhc.upcycle(source, hc_residual_map="unconstrained").config.hc_residual_map == "unconstrained"
+
+
+def test_upcycle_and_convert_take_their_defaults_from_mhc_config():
+    """One place for each default: ``hc_mult`` and the residual map of ``upcycle``, ``mhc_config_for`` and
+    ``convert_checkpoint`` are ``MHCConfig``'s."""
+    for function in (hf_mhc.upcycle, mhc_config_for, convert_checkpoint):
+        assert inspect.signature(function).parameters["hc_mult"].default == MHCConfig.hc_mult, function
+    config = hf_mhc.upcycle(source_model("llama", tied=False)).config
+    assert (config.hc_mult, config.hc_residual_map) == (MHCConfig.hc_mult, MHCConfig.hc_residual_map)

@@ -7,7 +7,7 @@ import itertools
 import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .diagnostics import SCALAR_PREFIX, report_scalars, stability_report
+from .report import SCALAR_PREFIX, report_scalars, stability_report
 
 
 class MHCStabilityCallback(TrainerCallback):

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .cli import BAD_INPUT_ERRORS, first_line, folder_error, output_path_error, print_error
-from .configuration_mhc import load_pretrained_config
-from .diagnostics import format_report, stability_report
-from .diagnostics_plots import plot_report
+from ..common import BAD_INPUT_ERRORS, first_line, folder_error, output_path_error, print_error
+from ..configuration_mhc import load_pretrained_config
+from .plots import plot_report
+from .report import format_report, stability_report
 
 INSPECT_PROG = "hf-mhc inspect"
 INSPECT_DESCRIPTION = (
@@ -45,7 +45,7 @@ def _load_for_inspection(checkpoint: str, device: torch.device, dtype: str) -> t
                 f"{checkpoint} holds both a model (config.json) and a PEFT adapter (adapter_config.json): move one of "
                 "them to its own folder"
             )
-        from .peft import adapter_base
+        from ..peft import adapter_base
 
         base = adapter_base(checkpoint)
     model_type = load_pretrained_config(base).model_type

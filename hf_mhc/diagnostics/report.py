@@ -1,4 +1,4 @@
-"""Stability diagnostics of mHC models: the mHC paper's gain measures, Sinkhorn residuals and stream collapse.
+"""The stability report of mHC models: the mHC paper's gain measures, Sinkhorn residuals and stream collapse.
 
 Every HC site (the attention and the FFN sublayer of each layer) mixes the ``n`` residual streams with
 ``X' = comb^T X`` (plus the sublayer output). Per token, the residual path through the network is the product of
@@ -15,16 +15,10 @@ similarity, where 1 means the streams have collapsed into one), and the range of
 captured with forward hooks on the HC modules, so any mHC model (also PEFT-wrapped or loaded as remote code) works.
 :func:`report_scalars` flattens the report for loggers and :func:`format_report` prints it as a table.
 
-The other parts of the diagnostics have their own modules, and their names import from here too (on first use, so
-that measuring imports neither matplotlib nor ``Trainer``): the plots (:mod:`hf_mhc.diagnostics_plots`:
-:func:`plot_report`, :func:`overview_figure`, :func:`layer_figure`), the Trainer callback that logs the report every N
-steps (:mod:`hf_mhc.diagnostics_callback`: :class:`MHCStabilityCallback`) and the ``hf-mhc inspect`` command
-(:mod:`hf_mhc.diagnostics_cli`: :func:`inspect_main`, :func:`run_inspect`, :func:`add_inspect_arguments`).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,11 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..mhc_reference import DEFAULT_RESIDUAL_MAP
+
 SUBLAYER_NAMES: tuple[str, ...] = ("attn", "ffn")
 HC_SITE_CLASS = "MHCHyperConnection"
 HC_HEAD_CLASS = "MHCHyperHead"
 SCALAR_PREFIX = "mhc/"
-DEFAULT_RESIDUAL_MAP = "sinkhorn"
 
 # Per-site scalars of the report, in table order.
 SITE_SCALARS: tuple[str, ...] = (
@@ -408,25 +403,6 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# Names of the other diagnostics modules that import from here (see the module docstring), and their modules.
-_ELSEWHERE = {
-    **dict.fromkeys(("layer_figure", "overview_figure", "plot_report"), "diagnostics_plots"),
-    "MHCStabilityCallback": "diagnostics_callback",
-    **dict.fromkeys(("add_inspect_arguments", "inspect_main", "run_inspect"), "diagnostics_cli"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    """The names of :data:`_ELSEWHERE`, imported from their own modules on first use."""
-    if name in _ELSEWHERE:
-        return getattr(importlib.import_module(f"{__package__}.{_ELSEWHERE[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_ELSEWHERE})
-
-
 __all__ = [
     "SITE_SCALARS",
     "HCCapture",
@@ -437,5 +413,4 @@ __all__ = [
     "report_scalars",
     "residual_map_of",
     "stability_report",
-    *_ELSEWHERE,
 ]
