@@ -126,7 +126,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "wrapped to know the accelerator preparing a model for FSDP2"),
     PrivateAPI("accelerate", "accelerate.utils.fsdp_utils:fsdp2_prepare_auto_wrap_policy", "hf_mhc.accelerate_fsdp2",
                "wrapped to shard the HC modules as float32 units first"),
-    # torch: fake tensors count activations; the CPU decode kernels are built with cpp_extension.
+    # torch: fake tensors count the activations a training forward holds.
     PrivateAPI("torch", "torch._subclasses.fake_tensor:FakeTensorMode", "hf_mhc.activation_count",
                "runs a training forward on fake tensors to count the bytes held for backward"),
     PrivateAPI("torch", "torch.ops:aten._scaled_dot_product_efficient_attention", "hf_mhc.activation_count",
