@@ -42,61 +42,35 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from . import mhc_reference
 from .configuration_mhc import HC_MODULE_NAMES, MHCConfig, backbone_wiring, check_backbone_type
 from .distributed import distribute_with_transformers
-from .mhc_reference import (
-    function_preserving_hc_base,
-    function_preserving_head_base,
-    map_sizes,
-    mhc_coeffs,
-    mhc_coeffs_pre,
-    mhc_head,
-    mhc_post_res,
-    scale_size,
-)
+from .mhc_reference import function_preserving_hc_base, function_preserving_head_base, map_sizes, scale_size
+
+try:  # the plugin's kernels and their dispatch table (absent where a checkpoint is loaded as remote code alone)
+    from hf_mhc.kernels.dispatch import mhc_ops as kernel_ops
+except ImportError as error:
+    kernel_ops, KERNELS_IMPORT_ERROR = None, error
 
 logger = logging.get_logger(__name__)
 
 
 
-@dataclass(frozen=True)
-class HCOps:
-    """The mHC ops of one ``hc_implementation``; each takes the arguments of the ``mhc_reference`` function of the
-    same name (``coeffs`` is ``mhc_coeffs``, ``coeffs_pre`` is ``mhc_coeffs_pre``, ...)."""
-
-    implementation: str  # "reference", "torch", "triton" or "auto" (Triton on CUDA tensors, torch otherwise)
-    coeffs: Callable
-    coeffs_pre: Callable
-    post_res: Callable
-    head: Callable
-
-
-REFERENCE_OPS = HCOps("reference", mhc_coeffs, mhc_coeffs_pre, mhc_post_res, mhc_head)
-
-
-@functools.cache
-def resolve_hc_ops(implementation: str) -> HCOps:
-    """The ops of ``hc_implementation`` (see ``MHCConfig``), resolved once per value and process.
-
-    ``"torch"``, ``"triton"`` and ``"auto"`` are the plugin's ``hf_mhc.kernels``. Where those do not import (a
-    checkpoint loaded as remote code without the plugin, or without Triton), ``"auto"`` warns once and runs the
-    reference formula, and ``"torch"`` / ``"triton"`` raise ``ImportError``.
-    """
-    if implementation == "reference":
-        return REFERENCE_OPS
-    try:
-        import hf_mhc.kernels as kernels
-    except ImportError as error:
-        if implementation != "auto":
-            raise ImportError(f"hc_implementation={implementation!r} needs hf_mhc.kernels, which failed to import "
-                              f"({error}); install hf-mhc with its kernels, or use hc_implementation='reference'.") \
-                from error
-        logger.warning_once(f"hf_mhc.kernels failed to import ({error}): the mHC maps run the plain reference formula "
-                            "(hc_implementation='reference'), which is slower and saves more for backward.")
-        return REFERENCE_OPS
-    backend = None if implementation == "auto" else implementation
-    return HCOps(implementation, *(functools.partial(op, backend=backend) for op in (
-        kernels.mhc_coeffs, kernels.mhc_coeffs_pre, kernels.mhc_post_res, kernels.mhc_head)))
+def hc_ops(implementation: str, streams: torch.Tensor, *weights: torch.Tensor):
+    """The ops that run one call of the mHC maps (an object with ``mhc_reference``'s functions): the plugin's dispatch
+    table ``hf_mhc.kernels.dispatch.MHC_OPS``, keyed by ``implementation``, the device and whether a gradient is
+    wanted. Without the plugin's kernels (a checkpoint loaded as remote code on a machine without hf-mhc),
+    ``"auto"`` warns once and runs ``mhc_reference``; ``"torch"`` / ``"triton"`` raise ``ImportError``."""
+    if kernel_ops is not None:
+        return kernel_ops(implementation, streams, *weights)
+    if implementation not in ("auto", "reference"):
+        raise ImportError(f"hc_implementation={implementation!r} needs hf_mhc.kernels, which failed to import "
+                          f"({KERNELS_IMPORT_ERROR}); install hf-mhc, or use hc_implementation='reference'.")
+    if implementation == "auto":
+        logger.warning_once(f"hf_mhc.kernels failed to import ({KERNELS_IMPORT_ERROR}): the mHC maps run the plain "
+                            "reference formula (hc_implementation='reference'), which is slower and saves more for "
+                            "backward.")
+    return mhc_reference
 
 
 @dataclass(frozen=True)
@@ -157,7 +131,6 @@ class MHCHyperConnection(nn.Module):
         self.sublayer_index = sublayer_index
         self.hc_mult = n
         self.config = config  # the settings below are read from it at each call, so a change to it takes effect
-        self.ops = resolve_hc_ops(config.hc_implementation)
         self.fn = nn.Parameter(torch.empty(rows, n * hidden, dtype=torch.float32))
         self.base = nn.Parameter(torch.empty(rows, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(scale_size(config.hc_residual_map), dtype=torch.float32))
@@ -167,18 +140,21 @@ class MHCHyperConnection(nn.Module):
         dtype), ``post [B, T, n]`` and ``comb [B, T, n, n]`` (float32; ``None`` for the identity map), in one op.
         No output tensor is a view: this module is an FSDP2 unit of its own, and FSDP2's pre-backward hook on a view
         output can be lost to an in-place op."""
-        return self.ops.coeffs_pre(streams, self.fn, self.base, self.scale, **self._map_settings())
+        ops = hc_ops(self.config.hc_implementation, streams, self.fn, self.base, self.scale)
+        return ops.mhc_coeffs_pre(streams, self.fn, self.base, self.scale, **self._map_settings())
 
     def merge(self, streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor,
               comb: torch.Tensor | None) -> torch.Tensor:
         """The sublayer's ``output [B, T, C]`` merged back: ``X'[i] = post[i]·y + Σ_j comb[j, i]·X[j]``, streams'
         dtype (``comb`` ``None``: ``X'[i] = post[i]·y + X[i]``). Reads no parameter of the site."""
-        return self.ops.post_res(streams, output, post, comb)
+        weights = (output, post) if comb is None else (output, post, comb)
+        return hc_ops(self.config.hc_implementation, streams, *weights).mhc_post_res(streams, output, post, comb)
 
     def maps(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The site's maps alone: ``pre [B, T, n]``, ``post [B, T, n]``, ``comb [B, T, n, n]`` (float32), ``comb``
         being the one applied (the identity for ``hc_residual_map="identity"``)."""
-        return self.ops.coeffs(streams, self.fn, self.base, self.scale, **self._map_settings())
+        ops = hc_ops(self.config.hc_implementation, streams, self.fn, self.base, self.scale)
+        return ops.mhc_coeffs(streams, self.fn, self.base, self.scale, **self._map_settings())
 
     hc_sinkhorn_iters = property(lambda self: self.config.hc_sinkhorn_iters)
     hc_eps = property(lambda self: self.config.hc_eps)
@@ -197,7 +173,6 @@ class MHCHyperHead(nn.Module):
         super().__init__()
         n, hidden = config.hc_mult, config.backbone_config.hidden_size
         self.config = config  # hc_eps and norm_eps are read from it at each call
-        self.ops = resolve_hc_ops(config.hc_implementation)
         self.hc_fn = nn.Parameter(torch.empty(n, n * hidden, dtype=torch.float32))
         self.hc_base = nn.Parameter(torch.empty(n, dtype=torch.float32))
         self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
@@ -207,8 +182,8 @@ class MHCHyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """``streams [B, T, n, C]`` -> ``Σ_i pre_h[i]·X[i]`` ``[B, T, C]`` (streams' dtype), not a view."""
-        return self.ops.head(streams, self.hc_fn, self.hc_base, self.hc_scale, eps=self.hc_eps,
-                             norm_eps=self.norm_eps)
+        ops = hc_ops(self.config.hc_implementation, streams, self.hc_fn, self.hc_base, self.hc_scale)
+        return ops.mhc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, eps=self.hc_eps, norm_eps=self.norm_eps)
 
 
 class MHCDecoderLayer(GradientCheckpointingLayer):
@@ -383,11 +358,7 @@ class MHCPreTrainedModel(PreTrainedModel):
     def set_hc_implementation(self, hc_implementation: str) -> None:
         """Run the mHC maps of this model through ``hc_implementation`` (``"auto"``, ``"reference"``, ``"torch"`` or
         ``"triton"``, see :class:`MHCConfig`) from now on; ``config.hc_implementation`` follows."""
-        self.config.hc_implementation = hc_implementation  # checked like a constructor value
-        ops = resolve_hc_ops(hc_implementation)
-        for module in self.modules():
-            if isinstance(module, (MHCHyperConnection, MHCHyperHead)):
-                module.ops = ops
+        self.config.hc_implementation = hc_implementation  # checked like a constructor value; read at each call
 
     def set_attn_implementation(self, attn_implementation, *args, **kwargs):
         super().set_attn_implementation(attn_implementation, *args, **kwargs)

@@ -1,5 +1,5 @@
 """``apply_mhc_kernels``: monkey patches that run the hyper-connections of transformers' own models (DeepSeek-V4,
-GLM-5-Next, HY-V4, HY-V4-VL) through the ops of ``hf_mhc.kernels``. Importing this module needs the kernels (Triton)."""
+GLM-5-Next, HY-V4, HY-V4-VL) through the ops of ``hf_mhc.kernels`` (looked up in their dispatch table per call)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from torch import nn
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .compat import unweighted_norm_eps
-from .kernels.functional import mhc_coeffs_pre, mhc_head, mhc_post_res, resolve_backend
+from .kernels.dispatch import mhc_ops
+from .kernels.functional import backend_implementation, mhc_coeffs_pre, mhc_head, mhc_post_res
 
 
 def _hyper_connection_forward(backend: str | None):
@@ -142,7 +143,7 @@ def apply_mhc_kernels(model: nn.Module, backend: str | None = None) -> nn.Module
     ``model``.
     """
     if backend is not None:
-        resolve_backend(backend, next(model.parameters()))
+        mhc_ops(backend_implementation(backend), next(model.parameters()))  # ValueError where it cannot run
     patches = patched_modules(backend)
     patched = 0
     for module in model.modules():

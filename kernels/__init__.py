@@ -3,23 +3,24 @@
 if __name__ == "hf_mhc.kernels":
     from .functional import (
         BACKENDS,
+        backend_implementation,
         mhc_coeffs,
         mhc_coeffs_pre,
         mhc_head,
         mhc_post_res,
         mhc_pre,
-        resolve_backend,
         sinkhorn,
     )
 
     __all__ = [
         "BACKENDS",
+        "backend_implementation",
         "mhc_coeffs",
         "mhc_coeffs_pre",
         "mhc_head",
         "mhc_post_res",
         "mhc_pre",
-        "resolve_backend",
+        "backend_implementation",
         "sinkhorn",
     ]
 else:

@@ -1,4 +1,5 @@
-"""What the kernel files share: token blocks and launch grids, padding of n, autocast, CPU chunking."""
+"""What the kernel files share, without Triton: the residual maps' codes, CPU token chunking, autocast, small
+tensor helpers. The Triton launch helpers are in ``triton_launch.py``."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import functools
 import math
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
-import triton
 
 # The residual maps' codes in the kernels: the Triton kernels' MAP constexpr (coeffs_op) and the C++ decode kernels'
 # kSinkhorn, kUnconstrained, kIdentity, kPermutations (cpu_decode.cpp).
@@ -19,10 +20,6 @@ def interpreting() -> bool:
     """Whether Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-
-def token_block(gpu_block: int) -> int:
-    """Tokens per program: ``gpu_block`` on a GPU, 64 in the interpreter (whose cost is per operation)."""
-    return 64 if interpreting() else gpu_block
 
 
 CPU_CHUNK_BYTES = 4 * 2**20  # float32 working set of one token chunk of a torch kernel (token_slices)
@@ -70,15 +67,6 @@ def map_token_chunks(
     return outputs
 
 
-def launch_grid(tokens: int, gpu_block: int) -> tuple[tuple[int], int]:
-    """``(grid, tokens per program)`` for a kernel with one program per block of tokens."""
-    block = token_block(gpu_block)
-    return (triton.cdiv(tokens, block),), block
-
-
-def padded_streams(n: int) -> int:
-    """Register width for n streams: a power of two, at least 4 so that an n x n tile has >= 16 entries."""
-    return max(4, triton.next_power_of_2(n))
 
 
 def batched_dots(matrices: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
@@ -103,3 +91,21 @@ def without_autocast(function):
             return function(*args, **kwargs)
 
     return wrapper
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """One backend's kernels: plain functions without autograd, which the custom ops of ``*_op.py`` wrap, with the
+    same signatures in every backend (``sinkhorn_torch`` / ``sinkhorn_triton``, ``coeffs_torch`` / ``coeffs_triton``,
+    ...)."""
+
+    sinkhorn_forward: Callable  # (logits, iters, eps) -> comb
+    sinkhorn_backward: Callable  # (logits, grad_comb, iters, eps) -> d logits
+    coeffs_forward: Callable  # (streams, fn, base, scale, iters, eps, norm_eps, head, residual_map, post_magnitude)
+    coeffs_backward: Callable  # (streams, fn, base, scale, mix, rstd, grads, iters, eps, head, collapse, residual_map,
+    #                             post_magnitude) -> (d streams, d fn, d base, d scale)
+    pre_forward: Callable  # (streams, pre) -> y
+    pre_backward: Callable  # (streams, pre, d y) -> (d streams, d pre)
+    pre_weights_grad: Callable  # (streams, pre, d y) -> d pre
+    post_res_forward: Callable  # (streams, y, post, comb, identity) -> new streams
+    post_res_backward: Callable  # (streams, y, post, comb, d out, identity) -> (d streams, d y, d post, d comb)

@@ -1,11 +1,12 @@
 """The CPU decode fast path: one fused C++ call per mHC site for a few tokens without autograd.
 
-For CPU float32 / bfloat16 / float16 streams of at most ``MAX_TOKENS`` tokens with no gradient wanted
-(``takes_fast_path``), ``kernels/functional.py`` calls the kernels of ``cpu_decode.cpp`` instead of the eager torch
-kernels: ``coeffs_pre`` (``mix`` by one GEMM, the residual map, the ``pre`` collapse), ``post_res`` and ``head``, each
-one call with ``at::parallel_for`` over the tokens, giving the numbers of ``hf_mhc.mhc_reference`` to float32
-rounding. Greedy decoding runs each site on one token per sequence, where the eager kernels' Python and operator
-dispatch (Sinkhorn alone is ``2·iters - 1`` normalisations of three ops each) would cost more than the arithmetic.
+``CPU_DECODE_OPS`` is what the dispatch table runs on CPU when no gradient is wanted: for CPU float32 / bfloat16 /
+float16 streams of at most ``MAX_TOKENS`` tokens (``takes_fast_path``) it calls the kernels of ``cpu_decode.cpp``
+instead of the eager torch kernels (``torch_backend``, which run every other call): ``coeffs_pre`` (``mix`` by one
+GEMM, the residual map, the ``pre`` collapse), ``post_res`` and ``head``, each one call with ``at::parallel_for`` over
+the tokens, giving the numbers of ``hf_mhc.mhc_reference`` to float32 rounding. Greedy decoding runs each site on
+one token per sequence, where the eager kernels' Python and operator dispatch (Sinkhorn alone is ``2·iters - 1``
+normalisations of three ops each) would cost more than the arithmetic.
 
 Under ``torch.compile`` (``generate`` with a static cache and a compile config) the same kernels run as the custom
 ops ``hf_mhc::cpu_decode_coeffs_pre`` / ``_post_res`` / ``_head`` (shapes for tracing, the C++ call at run time).
@@ -52,10 +53,12 @@ from types import ModuleType
 
 import torch
 
+from hf_mhc.mhc_reference import DEFAULT_RESIDUAL_MAP, POST_MAGNITUDE, ResidualMap
+
 from ..processes import owner_is_dead, owner_tag
 from .coeffs_pre_op import coeffs_pre_forward
 from .common import MAP_CODES
-from .post_res_op import post_res_forward
+from .torch_backend import TORCH_KERNELS, TORCH_OPS
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 MAX_TOKENS = 64  # tokens (all leading dims) up to which the fast path runs
@@ -246,8 +249,8 @@ def _coeffs_pre_op(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, 
     if available():
         return tuple(extension().coeffs_pre(streams, fn, base, scale, iters, eps, norm_eps, map_code, post_magnitude))
     residual_map = next(name for name, code in MAP_CODES.items() if code == map_code)
-    y, post, comb, *_ = coeffs_pre_forward(streams, fn, base, scale, iters, eps, norm_eps, "torch", False, residual_map,
-                                           post_magnitude)
+    y, post, comb, *_ = coeffs_pre_forward(TORCH_KERNELS, streams, fn, base, scale, iters, eps, norm_eps, False,
+                                           residual_map, post_magnitude)
     return y, post, comb
 
 
@@ -265,7 +268,7 @@ def _post_res_op(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, com
                  identity: bool) -> torch.Tensor:
     if available():
         return extension().post_res(streams, y, post, comb, identity)
-    return post_res_forward(streams, y, post, comb, "torch", identity)
+    return TORCH_KERNELS.post_res_forward(streams, y, post, comb, identity)
 
 
 @_post_res_op.register_fake
@@ -278,7 +281,8 @@ def _head_op(streams: torch.Tensor, hc_fn: torch.Tensor, hc_base: torch.Tensor, 
              norm_eps: float) -> torch.Tensor:
     if available():
         return extension().head(streams, hc_fn, hc_base, hc_scale, eps, norm_eps)
-    return coeffs_pre_forward(streams, hc_fn, hc_base, hc_scale, 1, eps, norm_eps, "torch", True)[0]
+    return coeffs_pre_forward(TORCH_KERNELS, streams, hc_fn, hc_base, hc_scale, 1, eps, norm_eps, True,
+                              DEFAULT_RESIDUAL_MAP, POST_MAGNITUDE)[0]
 
 
 @_head_op.register_fake
@@ -315,3 +319,44 @@ def head(*args) -> torch.Tensor:
         return _head_op(*args)
     with _autocast_off():
         return extension().head(*args)
+
+
+class CPUDecodeOps:
+    """The torch backend's ops, with ``mhc_coeffs_pre``, ``mhc_post_res`` and ``mhc_head`` as one C++ call each where
+    ``takes_fast_path`` holds (the same signatures as ``MHCOps``)."""
+
+    name = "cpu_decode"
+    sinkhorn = TORCH_OPS.sinkhorn
+    mhc_coeffs = TORCH_OPS.mhc_coeffs
+    mhc_pre = TORCH_OPS.mhc_pre
+
+    def __repr__(self) -> str:
+        return "CPUDecodeOps()"
+
+    def mhc_coeffs_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+                       sinkhorn_iters: int, eps: float, norm_eps: float,
+                       residual_map: ResidualMap = DEFAULT_RESIDUAL_MAP, post_magnitude: float = POST_MAGNITUDE,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if not takes_fast_path(streams, fn, base, scale):
+            return TORCH_OPS.mhc_coeffs_pre(streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps,
+                                            norm_eps=norm_eps, residual_map=residual_map, post_magnitude=post_magnitude)
+        y, post, comb = coeffs_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, MAP_CODES[residual_map],
+                                   float(post_magnitude))
+        return y, post, None if residual_map == "identity" else comb
+
+    def mhc_post_res(self, streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
+                     comb: torch.Tensor | None) -> torch.Tensor:
+        identity = comb is None
+        comb = post.new_empty(0, dtype=torch.float32) if identity else comb
+        if y.dtype != streams.dtype or not takes_fast_path(streams, y, post, comb):
+            return TORCH_OPS.post_res_op(streams, y, post, comb, identity)
+        return post_res(streams, y, post, comb, identity)
+
+    def mhc_head(self, streams: torch.Tensor, hc_fn: torch.Tensor, hc_base: torch.Tensor, hc_scale: torch.Tensor, *,
+                 eps: float, norm_eps: float) -> torch.Tensor:
+        if not takes_fast_path(streams, hc_fn, hc_base, hc_scale):
+            return TORCH_OPS.mhc_head(streams, hc_fn, hc_base, hc_scale, eps=eps, norm_eps=norm_eps)
+        return head(streams, hc_fn, hc_base, hc_scale, eps, norm_eps)
+
+
+CPU_DECODE_OPS = CPUDecodeOps()

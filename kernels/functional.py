@@ -1,22 +1,20 @@
 """Public mHC kernel API: ``sinkhorn``, ``mhc_coeffs``, ``mhc_pre``, ``mhc_coeffs_pre``, ``mhc_post_res``,
-``mhc_head``.
+``mhc_head``: each checks its arguments, then runs the op set the dispatch table (``dispatch.py``) gives for
+``backend`` and its tensors.
 
 Each op takes ``backend``:
 
 - ``"torch"``: memory-light torch kernels (custom forward and backward that save only the streams, the sublayer
-  output and per-token coefficients, and recompute Sinkhorn's iterates in backward);
+  output and per-token coefficients, and recompute Sinkhorn's iterates in backward); on CPU without gradient,
+  ``mhc_coeffs_pre``, ``mhc_post_res`` and ``mhc_head`` run a call of at most ``cpu_decode.MAX_TOKENS`` tokens as one
+  fused C++ call (``cpu_decode.py``: decoding), with the same numbers to float32 rounding;
 - ``"triton"``: the fused Triton kernels, for CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``);
-- ``None``: Triton for CUDA tensors, torch otherwise.
+- ``None``: Triton for CUDA tensors, torch otherwise (``hc_implementation="auto"``).
 
 The coefficient ops take ``residual_map`` (``"sinkhorn"``, mHC, the default; ``"unconstrained"``, ``"identity"``,
 ``"permutations"``: see ``hf_mhc.mhc_reference.mhc_maps``) and ``post_magnitude`` (the identity map's ``post``
 scale). With ``"identity"``, ``mhc_coeffs_pre`` returns ``comb=None`` and ``mhc_post_res(..., comb=None)`` carries
 the streams unmixed; ``mhc_coeffs`` returns the comb applied, the identity.
-
-On CPU with the torch backend, ``mhc_coeffs_pre``, ``mhc_post_res`` and ``mhc_head`` run a call of at most
-``cpu_decode.MAX_TOKENS`` tokens that needs no gradient (grad mode off or no input requiring grad) as one fused C++
-call (``kernels/cpu_decode.py``: decoding; under ``torch.compile`` a custom op that makes that call), with the same
-numbers to float32 rounding.
 
 Every op is a ``torch.library`` custom op with its own backward, so ``torch.compile(fullgraph=True)`` traces through
 it. The numbers are those of the plain formula in ``hf_mhc.mhc_reference`` whatever the backend; a failing Triton
@@ -34,13 +32,7 @@ import torch
 from hf_mhc import mhc_reference
 from hf_mhc.mhc_reference import DEFAULT_RESIDUAL_MAP, POST_MAGNITUDE
 
-from . import cpu_decode
-from .coeffs_op import mhc_coeffs_fwd_op
-from .coeffs_pre_op import mhc_coeffs_pre_fwd_op, mhc_head_fwd_op
-from .common import MAP_CODES, interpreting
-from .post_res_op import mhc_post_res_fwd_op
-from .pre_op import mhc_pre_fwd_op
-from .sinkhorn_op import sinkhorn_fwd_op
+from .dispatch import mhc_ops
 
 RESIDUAL_MAPS = mhc_reference.RESIDUAL_MAPS
 
@@ -86,19 +78,12 @@ def check_inputs(
             raise ValueError(f"{op} needs {name} as a finite number >= 0, got {value!r}.")
 
 
-def resolve_backend(backend: str | None, *tensors: torch.Tensor) -> str:
-    """The backend to run on ``tensors``; ``ValueError`` for an unknown name or a device Triton cannot run on."""
-    on_cuda = all(t.is_cuda for t in tensors)
+def backend_implementation(backend: str | None) -> str:
+    """The ``hc_implementation`` of ``backend`` (``None`` is ``"auto"``); ``ValueError`` for an unknown name."""
     if backend is None:
-        return "triton" if on_cuda else "torch"
+        return "auto"
     if backend not in BACKENDS:
         raise ValueError(f"Unknown mHC backend {backend!r}; available backends: {', '.join(BACKENDS)} (or None).")
-    if backend == "triton" and not on_cuda and not interpreting():
-        raise ValueError(
-            "backend='triton' runs on CUDA tensors; set TRITON_INTERPRET=1 before importing triton to run the "
-            "kernels on CPU tensors, or use backend='torch' (in a model: hc_implementation='torch' or 'auto' "
-            "instead of 'triton')."
-        )
     return backend
 
 
@@ -107,7 +92,7 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float, *, backend: str | Non
     check_inputs("sinkhorn", {"logits": logits}, iters=("iters", iters), eps=eps)
     if logits.dim() < 2 or logits.shape[-1] != logits.shape[-2]:
         raise ValueError(f"sinkhorn needs square [..., n, n] logits, got shape {tuple(logits.shape)}.")
-    return sinkhorn_fwd_op(logits, iters, eps, resolve_backend(backend, logits))
+    return mhc_ops(backend_implementation(backend), logits).sinkhorn(logits, iters, eps)
 
 
 def _check_coeffs_args(op: str, streams, fn, base, scale, sinkhorn_iters: int, eps: float, norm_eps: float,
@@ -138,14 +123,9 @@ def mhc_coeffs(
     applied, an expanded identity for ``residual_map="identity"``)."""
     _check_coeffs_args("mhc_coeffs", streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, residual_map,
                        post_magnitude)
-    pre, post, comb, _, _ = mhc_coeffs_fwd_op(
-        streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, resolve_backend(backend, streams), residual_map,
-        float(post_magnitude),
-    )
-    if residual_map == "identity":
-        n = streams.shape[-2]
-        comb = torch.eye(n, device=streams.device).expand(*streams.shape[:-2], n, n)
-    return pre, post, comb
+    return mhc_ops(backend_implementation(backend), streams, fn, base, scale).mhc_coeffs(
+        streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps, residual_map=residual_map,
+        post_magnitude=post_magnitude)
 
 
 def mhc_coeffs_pre(
@@ -158,15 +138,9 @@ def mhc_coeffs_pre(
     ``mhc_coeffs`` then ``mhc_pre``, with one backward node that writes the stream gradient once."""
     _check_coeffs_args("mhc_coeffs_pre", streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, residual_map,
                        post_magnitude)
-    backend = resolve_backend(backend, streams)
-    if backend == "torch" and cpu_decode.takes_fast_path(streams, fn, base, scale):
-        y, post, comb = cpu_decode.coeffs_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps,
-                                              MAP_CODES[residual_map], float(post_magnitude))
-        return y, post, None if residual_map == "identity" else comb
-    y, post, comb, _, _, _ = mhc_coeffs_pre_fwd_op(
-        streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, backend, residual_map, float(post_magnitude),
-    )
-    return y, post, None if residual_map == "identity" else comb
+    return mhc_ops(backend_implementation(backend), streams, fn, base, scale).mhc_coeffs_pre(
+        streams, fn, base, scale, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps, residual_map=residual_map,
+        post_magnitude=post_magnitude)
 
 
 def mhc_pre(streams: torch.Tensor, pre: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
@@ -174,7 +148,7 @@ def mhc_pre(streams: torch.Tensor, pre: torch.Tensor, *, backend: str | None = N
     check_inputs("mhc_pre", {"streams": streams, "pre": pre})
     if pre.shape != streams.shape[:-1]:
         raise ValueError(f"mhc_pre needs pre of shape {tuple(streams.shape[:-1])}, got {tuple(pre.shape)}.")
-    return mhc_pre_fwd_op(streams, pre, resolve_backend(backend, streams))
+    return mhc_ops(backend_implementation(backend), streams, pre).mhc_pre(streams, pre)
 
 
 def mhc_post_res(
@@ -198,13 +172,8 @@ def mhc_post_res(
             f"mhc_post_res needs post {tuple(streams.shape[:-1])} and comb {tuple(streams.shape[:-1] + (n,))} "
             f"(or None), got {tuple(post.shape)} and {None if comb is None else tuple(comb.shape)}."
         )
-    identity = comb is None
-    if identity:
-        comb = post.new_empty(0, dtype=torch.float32)
-    backend = resolve_backend(backend, streams)
-    if backend == "torch" and y.dtype == streams.dtype and cpu_decode.takes_fast_path(streams, y, post, comb):
-        return cpu_decode.post_res(streams, y, post, comb, identity)
-    return mhc_post_res_fwd_op(streams, y, post, comb, backend, identity)
+    weights = (y, post) if comb is None else (y, post, comb)
+    return mhc_ops(backend_implementation(backend), streams, *weights).mhc_post_res(streams, y, post, comb)
 
 
 def mhc_head(
@@ -226,8 +195,5 @@ def mhc_head(
             f"mhc_head for n={n}, C={hidden} needs hc_fn [{n}, {n * hidden}], hc_base [{n}], hc_scale [1]; "
             f"got {tuple(hc_fn.shape)}, {tuple(hc_base.shape)}, {tuple(hc_scale.shape)}."
         )
-    backend = resolve_backend(backend, streams)
-    if backend == "torch" and cpu_decode.takes_fast_path(streams, hc_fn, hc_base, hc_scale):
-        return cpu_decode.head(streams, hc_fn, hc_base, hc_scale, eps, norm_eps)
-    y, _, _, _ = mhc_head_fwd_op(streams, hc_fn, hc_base, hc_scale, eps, norm_eps, backend)
-    return y
+    return mhc_ops(backend_implementation(backend), streams, hc_fn, hc_base, hc_scale).mhc_head(
+        streams, hc_fn, hc_base, hc_scale, eps=eps, norm_eps=norm_eps)

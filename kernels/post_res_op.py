@@ -1,201 +1,50 @@
-"""``mhc_post_res``: ``X'[i] = post[i] · y + sum_j comb[j, i] · X[j]``, the sublayer output merged into the streams.
-
-Forward, one kernel: reads ``(n+1)·C`` (the streams and ``y``) and writes ``n·C`` per token, with the coefficients in
-float32. Backward, one kernel walking C once per token block: ``d X[j] = sum_i comb[j, i] · g[i]``,
-``d y = sum_i post[i] · g[i]``, ``d post[i] = <g[i], y>``, ``d comb[j, i] = <X[j], g[i]>``. Saved for backward: the
-streams, ``y``, ``post`` and ``comb``. Reference: ``hf_mhc.mhc_reference.mhc_post_res``.
-
-With ``identity`` (the identity residual map, ``comb`` empty) the streams are carried as they are,
-``X'[i] = post[i] · y + X[i]``: no mixing work, ``d X = g`` and no ``d comb``.
-"""
+"""``mhc_post_res``: ``X'[i] = post[i] · y + sum_j comb[j, i] · X[j]``, the sublayer output merged into the streams,
+as a ``torch.library`` custom op with its own backward. With ``identity`` (the identity residual map, ``comb``
+empty) the streams are carried as they are, ``X'[i] = post[i] · y + X[i]``. Saved for backward: the streams, ``y``,
+``post`` and ``comb``. Reference: ``hf_mhc.mhc_reference.mhc_post_res``."""
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from .common import batched_dots, launch_grid, map_token_chunks, without_autocast
-
-POST_RES_BLOCK_T = 4
-POST_RES_BLOCK_C = 128
+from .common import Kernels
 
 
-@triton.jit
-def _mhc_post_res_fwd_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, T, C, N: tl.constexpr, NP: tl.constexpr,
-                             BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, IDENTITY: tl.constexpr):
-    tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    outs = tl.arange(0, NP)
-    token_ok = tokens < T
-    out_mask = token_ok[:, None] & (outs < N)[None, :]
-    post = tl.load(post_ptr + tokens[:, None] * N + outs[None, :], mask=out_mask, other=0.0).to(tl.float32)
-    c_range = tl.arange(0, BLOCK_C)
-    for c0 in range(0, C, BLOCK_C):
-        c = c0 + c_range
-        c_ok = c < C
-        y = tl.load(y_ptr + tokens[:, None] * C + c[None, :], mask=token_ok[:, None] & c_ok[None, :], other=0.0)
-        acc = post[:, :, None] * y.to(tl.float32)[:, None, :]
-        offsets = (tokens[:, None, None] * N + outs[None, :, None]) * C + c[None, None, :]
-        if IDENTITY:
-            x = tl.load(x_ptr + offsets, mask=out_mask[:, :, None] & c_ok[None, None, :], other=0.0)
-            acc += x.to(tl.float32)
-        else:
-            for j in tl.static_range(N):
-                comb_row = tl.load(comb_ptr + tokens[:, None] * (N * N) + j * N + outs[None, :], mask=out_mask,
-                                   other=0.0)
-                x_j = tl.load(x_ptr + (tokens[:, None] * N + j) * C + c[None, :],
-                              mask=token_ok[:, None] & c_ok[None, :], other=0.0)
-                acc += comb_row.to(tl.float32)[:, :, None] * x_j.to(tl.float32)[:, None, :]
-        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask[:, :, None] & c_ok[None, None, :])
+def define_mhc_post_res(backend: str, kernels: Kernels):
+    """The custom ops ``hf_mhc::mhc_post_res_fwd_<backend>`` / ``_bwd_<backend>`` over ``kernels.post_res_forward``
+    / ``post_res_backward``; returns the forward op ``(streams, y, post, comb, identity) -> new streams``."""
 
+    @torch.library.custom_op(f"hf_mhc::mhc_post_res_fwd_{backend}", mutates_args=())
+    def mhc_post_res_fwd(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                         identity: bool) -> torch.Tensor:
+        return kernels.post_res_forward(streams, y, post, comb, identity)
 
-@triton.jit
-def _mhc_post_res_bwd_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, grad_out_ptr, grad_x_ptr, grad_y_ptr, grad_post_ptr,
-                             grad_comb_ptr, T, C, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
-                             BLOCK_C: tl.constexpr, IDENTITY: tl.constexpr):
-    tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    streams = tl.arange(0, NP)
-    token_ok = tokens < T
-    stream_mask = token_ok[:, None] & (streams < N)[None, :]
-    post = tl.load(post_ptr + tokens[:, None] * N + streams[None, :], mask=stream_mask, other=0.0).to(tl.float32)
-    pair_mask = stream_mask[:, :, None] & (streams < N)[None, None, :]
-    pair_offsets = tokens[:, None, None] * (N * N) + streams[None, :, None] * N + streams[None, None, :]
-    if not IDENTITY:
-        comb = tl.load(comb_ptr + pair_offsets, mask=pair_mask, other=0.0).to(tl.float32)  # [t, j, i]
-    grad_post = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
-    grad_comb = tl.zeros((BLOCK_T, NP, NP), dtype=tl.float32)
-    c_range = tl.arange(0, BLOCK_C)
-    for c0 in range(0, C, BLOCK_C):
-        c = c0 + c_range
-        c_ok = c < C
-        row_mask = token_ok[:, None] & c_ok[None, :]
-        mask = stream_mask[:, :, None] & c_ok[None, None, :]
-        offsets = (tokens[:, None, None] * N + streams[None, :, None]) * C + c[None, None, :]
-        grad_out = tl.load(grad_out_ptr + offsets, mask=mask, other=0.0).to(tl.float32)  # [t, i, c]
-        y = tl.load(y_ptr + tokens[:, None] * C + c[None, :], mask=row_mask, other=0.0).to(tl.float32)
-        grad_post += tl.sum(grad_out * y[:, None, :], axis=2)
-        grad_y = tl.sum(post[:, :, None] * grad_out, axis=1)
-        tl.store(grad_y_ptr + tokens[:, None] * C + c[None, :], grad_y.to(grad_y_ptr.dtype.element_ty), mask=row_mask)
-        if IDENTITY:
-            tl.store(grad_x_ptr + offsets, grad_out.to(grad_x_ptr.dtype.element_ty), mask=mask)
-        else:
-            x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)  # [t, j, c]
-            grad_comb += tl.sum(x[:, :, None, :] * grad_out[:, None, :, :], axis=3)
-            grad_x = tl.sum(comb[:, :, :, None] * grad_out[:, None, :, :], axis=2)
-            tl.store(grad_x_ptr + offsets, grad_x.to(grad_x_ptr.dtype.element_ty), mask=mask)
-    tl.store(grad_post_ptr + tokens[:, None] * N + streams[None, :], grad_post, mask=stream_mask)
-    if not IDENTITY:
-        tl.store(grad_comb_ptr + pair_offsets, grad_comb, mask=pair_mask)
+    @mhc_post_res_fwd.register_fake
+    def _(streams, y, post, comb, identity):
+        return torch.empty_like(streams)
 
+    @torch.library.custom_op(f"hf_mhc::mhc_post_res_bwd_{backend}", mutates_args=())
+    def mhc_post_res_bwd(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                         grad_out: torch.Tensor, identity: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return kernels.post_res_backward(streams, y, post, comb, grad_out, identity)
 
-def _merge_torch(x, y, post, comb):
-    mixed = torch.matmul(comb.float().transpose(-1, -2), x.float())
-    return (mixed.addcmul_(post.float().unsqueeze(-1), y.float().unsqueeze(-2)),)
+    @mhc_post_res_bwd.register_fake
+    def _(streams, y, post, comb, grad_out, identity):
+        f32 = torch.float32
+        return (torch.empty_like(streams), torch.empty_like(y), torch.empty_like(post, dtype=f32),
+                torch.empty_like(comb, dtype=f32))
 
+    def setup_context(ctx, inputs, output):
+        streams, y, post, comb, identity = inputs
+        ctx.save_for_backward(streams, y, post, comb)
+        ctx.identity = identity
 
-def _merge_backward_torch(x, y, post, comb, grad_out):
-    """``(d X, d y, d post, d comb)`` of one chunk of tokens, in float32."""
-    grad32 = grad_out.float()
-    return (torch.matmul(comb.float(), grad32), torch.matmul(post.float().unsqueeze(-2), grad32).squeeze(-2),
-            batched_dots(grad32, y.float()), torch.matmul(x.float(), grad32.transpose(-1, -2)))
+    def backward_of_post_res(ctx, grad_out):
+        streams, y, post, comb = ctx.saved_tensors
+        grad_streams, grad_y, grad_post, grad_comb = mhc_post_res_bwd(streams, y, post, comb, grad_out.contiguous(),
+                                                                      ctx.identity)
+        return grad_streams, grad_y, grad_post.to(post.dtype), grad_comb.to(comb.dtype), None
 
-
-def _carry_torch(x, y, post):
-    """The identity map's merge: ``X'[i] = post[i] · y + X[i]``."""
-    return (x.float().addcmul(post.float().unsqueeze(-1), y.float().unsqueeze(-2)),)
-
-
-def _carry_backward_torch(y, post, grad_out):
-    """``(d X, d y, d post)`` of the identity map's merge (``d X`` a copy of ``g``: op outputs never alias inputs)."""
-    grad32 = grad_out.to(torch.float32, copy=True)
-    return (grad32, torch.matmul(post.float().unsqueeze(-2), grad32).squeeze(-2), batched_dots(grad32, y.float()))
-
-
-def _block_c(n: int) -> int:
-    """Columns per step: the backward holds ``[BLOCK_T, n, n, BLOCK_C]`` products, so wide n takes narrower steps."""
-    return max(16, POST_RES_BLOCK_C // triton.next_power_of_2(n))
-
-
-@without_autocast
-def post_res_forward(streams, y, post, comb, backend, identity=False):
-    n, hidden = streams.shape[-2:]
-    if backend != "triton":
-        if identity:
-            return map_token_chunks(_carry_torch, (streams, y, post), (streams.dtype,), 4 * (n + 1) * hidden)[0]
-        return map_token_chunks(_merge_torch, (streams, y, post, comb), (streams.dtype,), 4 * (2 * n + 1) * hidden)[0]
-    x = streams.reshape(-1, n, hidden).contiguous()
-    out = torch.empty(streams.shape, device=x.device, dtype=x.dtype)  # not a view: see map_token_chunks
-    grid, block = launch_grid(x.shape[0], POST_RES_BLOCK_T)
-    _mhc_post_res_fwd_kernel[grid](
-        x, y.reshape(-1, hidden).contiguous(), post.reshape(-1, n).float().contiguous(),
-        comb.reshape(-1, n * n).float().contiguous(), out, x.shape[0], hidden, N=n, NP=triton.next_power_of_2(n),
-        BLOCK_T=block, BLOCK_C=POST_RES_BLOCK_C, IDENTITY=identity,
-    )
-    return out
-
-
-@without_autocast
-def post_res_backward(streams, y, post, comb, grad_out, backend, identity=False):
-    n, hidden = streams.shape[-2:]
-    if backend != "triton" and identity:
-        grad_streams, grad_y, grad_post = map_token_chunks(
-            _carry_backward_torch, (y, post, grad_out), (streams.dtype, y.dtype, torch.float32), 4 * (n + 1) * hidden)
-        return grad_streams, grad_y, grad_post, comb.new_empty(0)
-    if backend != "triton":
-        return tuple(map_token_chunks(_merge_backward_torch, (streams, y, post, comb, grad_out),
-                                      (streams.dtype, y.dtype, torch.float32, torch.float32), 4 * (3 * n + 1) * hidden))
-    x = streams.reshape(-1, n, hidden).contiguous()
-    tokens = x.shape[0]
-    grad_x = torch.empty(streams.shape, device=x.device, dtype=x.dtype)
-    grad_y = torch.empty(y.shape, device=x.device, dtype=y.dtype)
-    grad_post = torch.empty(post.shape, device=x.device, dtype=torch.float32)
-    grad_comb = torch.empty(comb.shape, device=x.device, dtype=torch.float32)  # empty for the identity map
-    grid, block = launch_grid(tokens, POST_RES_BLOCK_T)
-    _mhc_post_res_bwd_kernel[grid](
-        x, y.reshape(-1, hidden).contiguous(), post.reshape(-1, n).float().contiguous(),
-        comb.reshape(-1, n * n).float().contiguous(), grad_out.reshape(-1, n, hidden).contiguous(), grad_x, grad_y,
-        grad_post, grad_comb, tokens, hidden, N=n, NP=triton.next_power_of_2(n), BLOCK_T=block, BLOCK_C=_block_c(n),
-        IDENTITY=identity,
-    )
-    return grad_x, grad_y, grad_post, grad_comb
-
-
-@torch.library.custom_op("hf_mhc::mhc_post_res_fwd", mutates_args=())
-def mhc_post_res_fwd_op(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                        backend: str, identity: bool) -> torch.Tensor:
-    return post_res_forward(streams, y, post, comb, backend, identity)
-
-
-@mhc_post_res_fwd_op.register_fake
-def _(streams, y, post, comb, backend, identity):
-    return torch.empty_like(streams)
-
-
-@torch.library.custom_op("hf_mhc::mhc_post_res_bwd", mutates_args=())
-def mhc_post_res_bwd_op(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                        grad_out: torch.Tensor, backend: str, identity: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return post_res_backward(streams, y, post, comb, grad_out, backend, identity)
-
-
-@mhc_post_res_bwd_op.register_fake
-def _(streams, y, post, comb, grad_out, backend, identity):
-    f32 = torch.float32
-    return (torch.empty_like(streams), torch.empty_like(y), torch.empty_like(post, dtype=f32),
-            torch.empty_like(comb, dtype=f32))
-
-
-def _post_res_setup_context(ctx, inputs, output):
-    streams, y, post, comb, backend, identity = inputs
-    ctx.save_for_backward(streams, y, post, comb)
-    ctx.backend, ctx.identity = backend, identity
-
-
-def _post_res_backward(ctx, grad_out):
-    streams, y, post, comb = ctx.saved_tensors
-    grad_streams, grad_y, grad_post, grad_comb = mhc_post_res_bwd_op(streams, y, post, comb, grad_out.contiguous(),
-                                                                     ctx.backend, ctx.identity)
-    return grad_streams, grad_y, grad_post.to(post.dtype), grad_comb.to(comb.dtype), None, None
-
-
-mhc_post_res_fwd_op.register_autograd(_post_res_backward, setup_context=_post_res_setup_context)
+    mhc_post_res_fwd.register_autograd(backward_of_post_res, setup_context=setup_context)
+    return mhc_post_res_fwd

@@ -1,212 +1,41 @@
-"""Sinkhorn-Knopp for ``comb``: memory-light torch forward/backward and the Triton tile functions.
-
-The forward is ``hf_mhc.mhc_reference.sinkhorn``: ``M = softmax(logits) + eps`` (softmax over each row), then
-``2·iters - 1`` normalisations (below). Both backwards return the exact gradient of the finite iteration (the numbers
-autograd gives through the unrolled loop) while saving only the ``[..., n, n]`` logits: the iterates are recomputed
-in backward (torch: replayed once into a transient list; Triton: recomputed in registers).
-The torch kernels work on ``[n, n, tokens]`` (``_tokens_last``): every step is then one vectorised pass over the
-tokens rather than a reduction over a last axis of size n.
-
-One normalisation step divides ``M`` by ``d = M.sum(axis) + eps``; its backward is
-``dM = (G - sum_axis(G * M_out)) / d``. Step 0 normalises columns, then rows and columns alternate.
-"""
+"""``sinkhorn``: the Sinkhorn-Knopp projection ``logits [..., n, n] -> comb`` as a ``torch.library`` custom op with
+its own backward (saves the logits only). Reference: ``hf_mhc.mhc_reference.sinkhorn``."""
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from .common import launch_grid, padded_streams, without_autocast
-
-_WITHIN_ROW, _WITHIN_COLUMN = 1, 0  # axes of the tokens-last layout [row, column, tokens]
+from .common import Kernels
 
 
-def _tokens_last(matrices: torch.Tensor) -> torch.Tensor:
-    """``[..., n, n]`` -> contiguous float32 ``[n, n, ...]``."""
-    return matrices.float().movedim((-2, -1), (0, 1)).contiguous()
+def define_sinkhorn(backend: str, kernels: Kernels):
+    """The custom ops ``hf_mhc::sinkhorn_fwd_<backend>`` / ``_bwd_<backend>`` over ``kernels.sinkhorn_forward`` /
+    ``sinkhorn_backward``; returns the forward op ``(logits, iters, eps) -> comb``."""
 
+    @torch.library.custom_op(f"hf_mhc::sinkhorn_fwd_{backend}", mutates_args=())
+    def sinkhorn_fwd(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        return kernels.sinkhorn_forward(logits, iters, eps)
 
-def _tokens_first(matrices: torch.Tensor) -> torch.Tensor:
-    return matrices.movedim((0, 1), (-2, -1)).contiguous()
+    @sinkhorn_fwd.register_fake
+    def _(logits, iters, eps):
+        return torch.empty_like(logits, dtype=torch.float32)
 
+    @torch.library.custom_op(f"hf_mhc::sinkhorn_bwd_{backend}", mutates_args=())
+    def sinkhorn_bwd(logits: torch.Tensor, grad_comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        return kernels.sinkhorn_backward(logits, grad_comb, iters, eps)
 
-def _normalisation_axes(iters: int) -> list[int]:
-    """The axis each step sums over: columns first, then rows and columns alternate."""
-    return [_WITHIN_COLUMN] + [_WITHIN_ROW, _WITHIN_COLUMN] * (iters - 1)
+    @sinkhorn_bwd.register_fake
+    def _(logits, grad_comb, iters, eps):
+        return torch.empty_like(logits, dtype=torch.float32)
 
+    def setup_context(ctx, inputs, output):
+        logits, iters, eps = inputs
+        ctx.save_for_backward(logits)
+        ctx.iters, ctx.eps = iters, eps
 
-@without_autocast
-def sinkhorn_forward_torch(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """``[..., n, n]`` logits -> float32 ``comb``, the formula of ``mhc_reference.sinkhorn``."""
-    with torch.no_grad():
-        matrix = torch.softmax(_tokens_last(logits), dim=_WITHIN_ROW) + eps
-        for axis in _normalisation_axes(iters):
-            matrix /= matrix.sum(dim=axis, keepdim=True) + eps
-        return _tokens_first(matrix)
+    def backward_of_sinkhorn(ctx, grad_comb):
+        (logits,) = ctx.saved_tensors
+        return sinkhorn_bwd(logits, grad_comb, ctx.iters, ctx.eps).to(logits.dtype), None, None
 
-
-@without_autocast
-def sinkhorn_backward_torch(logits: torch.Tensor, grad_comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Exact gradient w.r.t. ``logits [..., n, n]`` of ``sinkhorn(logits, iters, eps)`` (float32)."""
-    probs = torch.softmax(_tokens_last(logits), dim=_WITHIN_ROW)
-    matrix = probs + eps
-    steps = []  # (normalised matrix, denominator, axis), replayed from the logits
-    for axis in _normalisation_axes(iters):
-        denominator = matrix.sum(dim=axis, keepdim=True) + eps
-        matrix = matrix / denominator
-        steps.append((matrix, denominator, axis))
-    grad = _tokens_last(grad_comb)
-    for matrix, denominator, axis in reversed(steps):
-        grad = (grad - (grad * matrix).sum(dim=axis, keepdim=True)) / denominator
-    return _tokens_first(probs * (grad - (grad * probs).sum(dim=_WITHIN_ROW, keepdim=True)))
-
-
-# --- Triton: per-token Sinkhorn on [BLOCK_T, NP, NP] register tiles (NP = padded n, `valid` masks the real n x n) --
-
-
-@triton.jit
-def _softmax_plus_eps(logits, valid, eps):
-    z = tl.where(valid, logits, -1.0e30)
-    z = z - tl.max(z, axis=2)[:, :, None]
-    e = tl.where(valid, tl.exp(z), 0.0)
-    probs = e / tl.maximum(tl.sum(e, axis=2), 1.0)[:, :, None]  # a real row sums to >= 1 (its max gives exp(0))
-    return tl.where(valid, probs, 0.0)
-
-
-@triton.jit
-def _normalise(matrix, step, eps):
-    """Step 0 and every even step normalise columns (axis 1), odd steps rows (axis 2)."""
-    if step % 2 == 0:
-        out = matrix / (tl.sum(matrix, axis=1)[:, None, :] + eps)
-    else:
-        out = matrix / (tl.sum(matrix, axis=2)[:, :, None] + eps)
-    return out
-
-
-@triton.jit
-def sinkhorn_tile_forward(logits, valid, eps, ITERS: tl.constexpr):
-    """``comb`` of a ``[BLOCK_T, NP, NP]`` tile of logits (padding stays 0)."""
-    matrix = tl.where(valid, _softmax_plus_eps(logits, valid, eps) + eps, 0.0)
-    for step in range(0, 2 * ITERS - 1):
-        matrix = _normalise(matrix, step, eps)
-    return matrix
-
-
-@triton.jit
-def sinkhorn_tile_backward(logits, grad_comb, valid, eps, ITERS: tl.constexpr):
-    """Gradient w.r.t. a ``[BLOCK_T, NP, NP]`` tile of logits; each step's input is recomputed from the logits."""
-    probs = _softmax_plus_eps(logits, valid, eps)
-    grad = tl.where(valid, grad_comb, 0.0)
-    n_steps = 2 * ITERS - 1
-    for reverse_step in range(0, n_steps):
-        step = n_steps - 1 - reverse_step
-        matrix = tl.where(valid, probs + eps, 0.0)
-        for earlier in range(0, step):
-            matrix = _normalise(matrix, earlier, eps)
-        # The two branches name their denominators apart: Triton's compiler needs a name bound in both branches of a
-        # runtime `if` to have one shape (the interpreter does not check this).
-        if step % 2 == 0:
-            column_sums = tl.sum(matrix, axis=1)[:, None, :] + eps
-            grad = (grad - tl.sum(grad * (matrix / column_sums), axis=1)[:, None, :]) / column_sums
-        else:
-            row_sums = tl.sum(matrix, axis=2)[:, :, None] + eps
-            grad = (grad - tl.sum(grad * (matrix / row_sums), axis=2)[:, :, None]) / row_sums
-        grad = tl.where(valid, grad, 0.0)  # padding must not carry gradient into the next (eps-sized) denominator
-    return probs * (grad - tl.sum(grad * probs, axis=2)[:, :, None])
-
-
-@triton.jit
-def _tile_offsets(pid, T, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
-    tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    rows = tl.arange(0, NP)
-    cols = tl.arange(0, NP)
-    offsets = tokens[:, None, None] * (N * N) + rows[None, :, None] * N + cols[None, None, :]
-    valid = (rows[None, :, None] < N) & (cols[None, None, :] < N)
-    return offsets, valid & (tokens[:, None, None] < T), valid
-
-
-@triton.jit
-def _sinkhorn_fwd_kernel(logits_ptr, comb_ptr, T, eps, N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr,
-                         BLOCK_T: tl.constexpr):
-    offsets, mask, valid = _tile_offsets(tl.program_id(0), T, N, NP, BLOCK_T)
-    logits = tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(comb_ptr + offsets, sinkhorn_tile_forward(logits, valid, eps, ITERS), mask=mask)
-
-
-@triton.jit
-def _sinkhorn_bwd_kernel(logits_ptr, grad_comb_ptr, grad_logits_ptr, T, eps, N: tl.constexpr, NP: tl.constexpr,
-                         ITERS: tl.constexpr, BLOCK_T: tl.constexpr):
-    offsets, mask, valid = _tile_offsets(tl.program_id(0), T, N, NP, BLOCK_T)
-    logits = tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    grad_comb = tl.load(grad_comb_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(grad_logits_ptr + offsets, sinkhorn_tile_backward(logits, grad_comb, valid, eps, ITERS), mask=mask)
-
-
-SINKHORN_BLOCK_T = 16
-
-
-def sinkhorn_forward_triton(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    n = logits.shape[-1]
-    flat = logits.reshape(-1, n, n).float().contiguous()
-    comb = torch.empty(logits.shape, device=flat.device, dtype=torch.float32)  # the final shape: not a view
-    grid, block = launch_grid(flat.shape[0], SINKHORN_BLOCK_T)
-    _sinkhorn_fwd_kernel[grid](
-        flat, comb, flat.shape[0], eps, N=n, NP=padded_streams(n), ITERS=iters, BLOCK_T=block
-    )
-    return comb
-
-
-def sinkhorn_backward_triton(logits: torch.Tensor, grad_comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    n = logits.shape[-1]
-    flat = logits.reshape(-1, n, n).float().contiguous()
-    grad = grad_comb.reshape(-1, n, n).float().contiguous()
-    grad_logits = torch.empty(logits.shape, device=flat.device, dtype=torch.float32)
-    grid, block = launch_grid(flat.shape[0], SINKHORN_BLOCK_T)
-    _sinkhorn_bwd_kernel[grid](
-        flat, grad, grad_logits, flat.shape[0], eps, N=n, NP=padded_streams(n), ITERS=iters, BLOCK_T=block
-    )
-    return grad_logits
-
-
-# --- the op: one autograd definition, two kernel backends ----------------------------------------------------------
-
-
-@torch.library.custom_op("hf_mhc::sinkhorn_fwd", mutates_args=())
-def sinkhorn_fwd_op(logits: torch.Tensor, iters: int, eps: float, backend: str) -> torch.Tensor:
-    if backend == "triton":
-        return sinkhorn_forward_triton(logits, iters, eps)
-    return sinkhorn_forward_torch(logits, iters, eps)
-
-
-@sinkhorn_fwd_op.register_fake
-def _(logits, iters, eps, backend):
-    return torch.empty_like(logits, dtype=torch.float32)
-
-
-@torch.library.custom_op("hf_mhc::sinkhorn_bwd", mutates_args=())
-def sinkhorn_bwd_op(logits: torch.Tensor, grad_comb: torch.Tensor, iters: int, eps: float,
-                    backend: str) -> torch.Tensor:
-    if backend == "triton":
-        return sinkhorn_backward_triton(logits, grad_comb, iters, eps)
-    return sinkhorn_backward_torch(logits, grad_comb, iters, eps)
-
-
-@sinkhorn_bwd_op.register_fake
-def _(logits, grad_comb, iters, eps, backend):
-    return torch.empty_like(logits, dtype=torch.float32)
-
-
-def _sinkhorn_setup_context(ctx, inputs, output):
-    logits, iters, eps, backend = inputs
-    ctx.save_for_backward(logits)
-    ctx.iters, ctx.eps, ctx.backend = iters, eps, backend
-
-
-def _sinkhorn_backward(ctx, grad_comb):
-    (logits,) = ctx.saved_tensors
-    grad_logits = sinkhorn_bwd_op(logits, grad_comb, ctx.iters, ctx.eps, ctx.backend)
-    return grad_logits.to(logits.dtype), None, None, None
-
-
-sinkhorn_fwd_op.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_setup_context)
+    sinkhorn_fwd.register_autograd(backward_of_sinkhorn, setup_context=setup_context)
+    return sinkhorn_fwd

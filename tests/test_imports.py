@@ -119,4 +119,6 @@ def test_the_graph_sees_late_imports_and_parent_packages():
     graph = import_graph()
     assert "hf_mhc.diagnostics.cli" in graph["hf_mhc.cli"]  # imported inside _setup_inspect
     assert "hf_mhc.kernels" in graph["hf_mhc.monkey_patch"]  # from .kernels.functional import ...
+    assert "hf_mhc.kernels.triton_backend" in graph["hf_mhc.kernels.dispatch"]  # inside load_op_set
     assert circles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
+

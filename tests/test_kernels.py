@@ -27,15 +27,10 @@ from hf_mhc.kernels import (
     mhc_head,
     mhc_post_res,
     mhc_pre,
-    resolve_backend,
     sinkhorn,
 )
-from hf_mhc.kernels.coeffs_op import mhc_coeffs_fwd_op
-from hf_mhc.kernels.coeffs_pre_op import mhc_coeffs_pre_bwd_op, mhc_coeffs_pre_fwd_op, mhc_head_fwd_op
 from hf_mhc.kernels.common import map_token_chunks
-from hf_mhc.kernels.post_res_op import mhc_post_res_bwd_op, mhc_post_res_fwd_op
-from hf_mhc.kernels.pre_op import mhc_pre_fwd_op
-from hf_mhc.kernels.sinkhorn_op import sinkhorn_fwd_op
+from hf_mhc.kernels.dispatch import MHC_OPS, load_op_set, mhc_ops
 from hf_mhc.profiling import saved_bytes_for_backward
 
 BACKENDS = ["torch", "triton"]
@@ -345,11 +340,13 @@ def test_stream_gradients_are_not_views(backend, dtype):
     otherwise every site pays one more stream-sized allocation and pass."""
     x = torch.randn(1, 6, 4, 16).to(dtype)
     fn, base, scale = random_site_params(4, 16)
-    y, post, comb, pre, mix, rstd = mhc_coeffs_pre_fwd_op(x, fn, base, scale, ITERS, HC_EPS, NORM_EPS, backend,
-                                                          "sinkhorn", 2.0)
-    from_merge = mhc_post_res_bwd_op(x, y, post, comb, torch.randn_like(x), backend, False)[0]
-    from_entry = mhc_coeffs_pre_bwd_op(x, fn, base, scale, pre, mix, rstd, torch.randn_like(y), torch.rand_like(post),
-                                       torch.rand_like(comb), ITERS, HC_EPS, backend, "sinkhorn", 2.0)[0]
+    y, post, comb, pre, mix, rstd = load_op_set(backend).coeffs_pre_op(x, fn, base, scale, ITERS, HC_EPS, NORM_EPS,
+                                                                       "sinkhorn", 2.0)
+    merge_backward = getattr(torch.ops.hf_mhc, f"mhc_post_res_bwd_{backend}")
+    entry_backward = getattr(torch.ops.hf_mhc, f"mhc_coeffs_pre_bwd_{backend}")
+    from_merge = merge_backward(x, y, post, comb, torch.randn_like(x), False)[0]
+    from_entry = entry_backward(x, fn, base, scale, pre, mix, rstd, torch.randn_like(y), torch.rand_like(post),
+                                torch.rand_like(comb), ITERS, HC_EPS, "sinkhorn", 2.0)[0]
     assert from_merge._base is None and from_entry._base is None
 
 
@@ -402,18 +399,18 @@ def custom_op_call(op: str, residual_map: str, backend: str) -> tuple:
     head_params = [p.requires_grad_(True) for p in random_head_params(n, hidden)]
     magnitude = MAGNITUDE if residual_map == "identity" else 2.0
     identity = residual_map == "identity"
+    ops = load_op_set(backend)
     if op == "sinkhorn":
-        return sinkhorn_fwd_op, (torch.randn(2, 3, n, n, requires_grad=True), 5, HC_EPS, backend)
+        return ops.sinkhorn_op, (torch.randn(2, 3, n, n, requires_grad=True), 5, HC_EPS)
     if op in ("mhc_coeffs", "mhc_coeffs_pre"):
-        custom_op = mhc_coeffs_fwd_op if op == "mhc_coeffs" else mhc_coeffs_pre_fwd_op
-        return custom_op, (streams, *site_params, 5, HC_EPS, NORM_EPS, backend, residual_map, magnitude)
+        custom_op = ops.coeffs_op if op == "mhc_coeffs" else ops.coeffs_pre_op
+        return custom_op, (streams, *site_params, 5, HC_EPS, NORM_EPS, residual_map, magnitude)
     if op == "mhc_head":
-        return mhc_head_fwd_op, (streams, *head_params, HC_EPS, NORM_EPS, backend)
+        return ops.head_op, (streams, *head_params, HC_EPS, NORM_EPS)
     if op == "mhc_pre":
-        return mhc_pre_fwd_op, (streams, weights, backend)
+        return ops.pre_op, (streams, weights)
     comb = torch.zeros(0) if identity else torch.rand(2, 3, n, n, requires_grad=True)
-    return mhc_post_res_fwd_op, (streams, torch.randn(2, 3, hidden, requires_grad=True), weights, comb, backend,
-                                 identity)
+    return ops.post_res_op, (streams, torch.randn(2, 3, hidden, requires_grad=True), weights, comb, identity)
 
 
 CUSTOM_OP_CASES = [
@@ -457,12 +454,34 @@ def test_backend_selection(monkeypatch):
     x = torch.randn(1, 2, 2, 4)
     with pytest.raises(ValueError, match="available backends: torch, triton"):
         mhc_pre(x, torch.rand(1, 2, 2), backend="cuda-magic")
-    assert resolve_backend(None, x) == ("triton" if x.is_cuda else "torch")
-    assert resolve_backend("triton", x) == "triton"  # on CPU tensors, allowed because conftest sets TRITON_INTERPRET=1
-    x = x.cpu()
+    with pytest.raises(ValueError, match="Unknown hc_implementation 'cuda-magic'; available: auto, reference"):
+        mhc_ops("cuda-magic", x)
+    on_cuda = x.is_cuda
+    assert mhc_ops("auto", x).name == ("triton" if on_cuda else "cpu_decode")
+    assert mhc_ops("auto", x.requires_grad_()).name == ("triton" if on_cuda else "torch")
+    with torch.no_grad():
+        assert mhc_ops("torch", x).name == ("torch" if on_cuda else "cpu_decode")
+    assert mhc_ops("triton", x).name == "triton"  # on CPU tensors, allowed because conftest sets TRITON_INTERPRET=1
+    assert mhc_ops("reference", x) is mhc_reference
+    x = x.detach().cpu()
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="backend='triton' runs on CUDA tensors"):
+    with pytest.raises(ValueError, match="hc_implementation='triton' runs on CUDA tensors, not cpu tensors"):
         mhc_pre(x, torch.rand(1, 2, 2, device="cpu"), backend="triton")
+
+
+def test_the_dispatch_table_covers_every_implementation_device_and_grad():
+    """Every (hc_implementation, device kind, gradient) has its op set, and "auto" is Triton on CUDA, torch elsewhere
+    (the C++ decode kernels on CPU without gradient)."""
+    from hf_mhc.configuration_mhc import HC_IMPLEMENTATIONS
+    from hf_mhc.kernels.dispatch import DEVICE_KINDS
+
+    keys = {(implementation, device, grad) for implementation in HC_IMPLEMENTATIONS for device in DEVICE_KINDS
+            for grad in (False, True)}
+    assert set(MHC_OPS) == keys - {("triton", "other", False), ("triton", "other", True)}
+    assert set(MHC_OPS.values()) == {"reference", "torch", "cpu_decode", "triton"}
+    assert {device: MHC_OPS["auto", device, True] for device in DEVICE_KINDS} == {
+        "cuda": "triton", "cpu": "torch", "other": "torch"}
+    assert MHC_OPS["auto", "cpu", False] == MHC_OPS["torch", "cpu", False] == "cpu_decode"
 
 
 def test_shape_errors_are_clear():

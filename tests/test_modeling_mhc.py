@@ -14,6 +14,7 @@ import torch
 from conftest import (
     FAMILIES,
     FLOAT32_TOLERANCES,
+    TEST_DEVICE,
     VOCAB,
     assert_logits_close,
     assert_same_weights,
@@ -29,9 +30,9 @@ from transformers import (
     AutoModelForSequenceClassification,
 )
 
-from hf_mhc import MHCConfig, MHCForCausalLM, MHCForSequenceClassification, MHCModel
+from hf_mhc import MHCConfig, MHCForCausalLM, MHCForSequenceClassification, MHCModel, mhc_reference, modeling_mhc
 from hf_mhc.mhc_reference import map_sizes
-from hf_mhc.modeling_mhc import MHCDecoderLayer
+from hf_mhc.modeling_mhc import MHCDecoderLayer, hc_ops
 
 
 def test_auto_classes_are_registered():
@@ -264,27 +265,40 @@ def test_mhc_settings_changed_on_a_built_model_take_effect_and_save_as_they_run(
 WITHOUT_TRITON = textwrap.dedent(
     """
     import sys
-    sys.modules["triton"] = None  # as on a platform without Triton
+    sys.modules["triton"] = None  # as on a platform without Triton: `import triton` raises ImportError
     import torch
     import hf_mhc
-    from transformers import LlamaConfig
-    config = hf_mhc.MHCConfig(backbone_config=LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                                          num_attention_heads=4, vocab_size=50))
-    model = hf_mhc.MHCForCausalLM(config)
-    model(torch.randint(0, 50, (1, 5)), labels=torch.randint(0, 50, (1, 5))).loss.backward()
+    from transformers import LlamaConfig, LlamaForCausalLM
+    source = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                          num_attention_heads=4, vocab_size=50))
+    model = hf_mhc.upcycle(source, hc_mult=4)
+    model.set_hc_implementation("torch")
+    ids = torch.randint(0, 50, (1, 80))  # past the C++ decode kernels' token limit: the torch kernels' custom ops
+    model(ids, labels=ids).loss.backward()
+    assert model.model.layers[0].attn_hc.fn.grad is not None
+    with torch.no_grad():  # a few tokens without gradient: the C++ decode kernels
+        logits, expected = model(ids[:, :3]).logits, source(ids[:, :3]).logits
+    torch.testing.assert_close(logits, expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-5)
     try:
         hf_mhc.apply_mhc_kernels(model)
-    except ImportError:
-        print("apply_mhc_kernels needs triton")
+    except ValueError as error:  # the monkey patches import too; an mHC model has nothing for them to patch
+        print("apply_mhc_kernels:", error)
+    print(sorted(name for name, module in sys.modules.items() if "triton" in name and module is not None
+                 and name.startswith("hf_mhc")))
     """
 )
 
 
 def test_the_plugin_imports_and_trains_without_triton(tmp_path):
+    """``hc_implementation="torch"`` (forward, backward and the C++ decode kernels) and the monkey patches with
+    ``import triton`` failing: only the Triton backend's modules import Triton, and none of them was imported."""
     result = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], capture_output=True, text=True, timeout=300,
                             cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "apply_mhc_kernels needs triton" in result.stdout
+    *_, patched, triton_modules = result.stdout.splitlines()
+    assert patched.startswith("apply_mhc_kernels: apply_mhc_kernels found no hyper-connection module")
+    assert triton_modules == "[]"
+
 
 # --- residual maps and hc_implementation ---------------------------------------------------------------------
 
@@ -328,7 +342,23 @@ def test_maps_give_the_comb_applied():
     assert none is None
     # Bit-exact: with gradients wanted both run the same coefficient code on the same tensors.
     torch.testing.assert_close(post_forward, post, atol=0, rtol=0)
-    torch.testing.assert_close(site.ops.post_res(streams, y, post, None), site.ops.post_res(streams, y, post, comb))
+    ops = hc_ops(model.config.hc_implementation, streams)
+    torch.testing.assert_close(ops.mhc_post_res(streams, y, post, None), ops.mhc_post_res(streams, y, post, comb))
+
+
+def op_sets_used(monkeypatch) -> set:
+    """Collects the names of the op sets that ``hc_ops`` returns to the model (``"reference"`` for
+    ``mhc_reference``) while the test runs."""
+    used = set()
+    lookup = modeling_mhc.hc_ops
+
+    def recording(*args):
+        ops = lookup(*args)
+        used.add("reference" if ops is mhc_reference else ops.name)
+        return ops
+
+    monkeypatch.setattr(modeling_mhc, "hc_ops", recording)
+    return used
 
 
 def logits_and_grads(model, ids):
@@ -340,20 +370,24 @@ def logits_and_grads(model, ids):
 
 
 @pytest.mark.parametrize("residual_map", ["sinkhorn", "identity", "permutations"])
-def test_every_hc_implementation_gives_the_same_logits_and_gradients(residual_map):
+def test_every_hc_implementation_gives_the_same_logits_and_gradients(residual_map, monkeypatch):
     """``reference`` (the plain formula), ``torch``, ``triton`` (the interpreter here) and ``auto`` (torch for CPU
     tensors) agree to float32 rounding, scaled to the values: per module, as a ``scale`` gradient is a sum over every
     token and column that cancels to far below its module's other gradients."""
     model = variant_model(residual_map)
-    assert model.model.layers[0].attn_hc.ops.implementation == "auto"
+    assert model.config.hc_implementation == "auto"
     ids = torch.randint(0, VOCAB, (2, 6))
     model.set_hc_implementation("reference")
     assert model.config.hc_implementation == "reference"
+    used = op_sets_used(monkeypatch)
     ref_logits, ref_grads = logits_and_grads(model, ids)
-    for implementation in ("torch", "triton", "auto"):
+    assert used == {"reference"}
+    cpu = TEST_DEVICE == "cpu"
+    for implementation, op_set in (("torch", "torch"), ("triton", "triton"), ("auto", "torch" if cpu else "triton")):
         model.set_hc_implementation(implementation)
-        assert {m.ops.implementation for m in model.modules() if hasattr(m, "ops")} == {implementation}
+        used.clear()
         logits, grads = logits_and_grads(model, ids)
+        assert used == {op_set}, implementation
         torch.testing.assert_close(logits, ref_logits, atol=1e-5 * ref_logits.abs().max().item(), rtol=1e-5)
         assert grads.keys() == ref_grads.keys()
         module_scale: dict[str, float] = {}
@@ -365,39 +399,49 @@ def test_every_hc_implementation_gives_the_same_logits_and_gradients(residual_ma
             torch.testing.assert_close(grad, ref_grads[name], atol=atol, rtol=1e-4, msg=name)
 
 
-def test_hc_implementation_is_read_when_the_model_is_built(tmp_path):
+def test_hc_implementation_is_read_when_the_model_is_built(tmp_path, monkeypatch):
     variant_model("unconstrained").save_pretrained(tmp_path)
     model = MHCForCausalLM.from_pretrained(tmp_path, hc_implementation="reference")
-    assert {m.ops.implementation for m in model.modules() if hasattr(m, "ops")} == {"reference"}
+    used = op_sets_used(monkeypatch)
+    model(torch.randint(0, VOCAB, (1, 4)))
+    assert used == {"reference"}
+
+
+def test_without_gradient_on_cpu_the_decode_kernels_run(monkeypatch):
+    if TEST_DEVICE != "cpu":
+        pytest.skip("the CPU decode kernels run on CPU tensors")
+    model = variant_model("sinkhorn")
+    used = op_sets_used(monkeypatch)
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (1, 4)))
+    assert used == {"cpu_decode"}
 
 
 def test_triton_on_cpu_tensors_without_the_interpreter_is_a_one_line_error(monkeypatch):
     model = variant_model("identity", hc_implementation="triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="backend='triton' runs on CUDA tensors; set TRITON_INTERPRET=1") as error:
+    with pytest.raises(ValueError, match="hc_implementation='triton' runs on CUDA tensors, not cpu tensors; set "
+                                         "TRITON_INTERPRET=1") as error:
         model(torch.randint(0, VOCAB, (1, 4)))
-    assert "\n" not in str(error.value) and "hc_implementation='torch'" in str(error.value)
+    assert "\n" not in str(error.value) and "use 'torch' or 'auto'" in str(error.value)
 
 
 def test_a_failed_kernels_import_warns_once_and_runs_the_reference(monkeypatch, caplog):
-    import sys
-
-    from hf_mhc import modeling_mhc
-
-    monkeypatch.setitem(sys.modules, "hf_mhc.kernels", None)  # `import hf_mhc.kernels` now raises ImportError
-    modeling_mhc.resolve_hc_ops.cache_clear()
-    try:
-        with caplog.at_level("WARNING"):
-            models = [variant_model("permutations"), variant_model("sinkhorn")]
-        warnings = [r.getMessage() for r in caplog.records if "hf_mhc.kernels failed to import" in r.getMessage()]
-        assert len(warnings) == 1 and "run the plain reference formula" in warnings[0]
-        for model in models:
-            assert {m.ops.implementation for m in model.modules() if hasattr(m, "ops")} == {"reference"}
-        with pytest.raises(ImportError, match=r"hc_implementation='torch' needs hf_mhc.kernels, which failed to "
-                                              r"import .*use hc_implementation='reference'"):
-            variant_model("identity", hc_implementation="torch")
-    finally:
-        modeling_mhc.resolve_hc_ops.cache_clear()
+    """A checkpoint loaded as remote code on a machine without hf-mhc: ``hf_mhc.kernels`` does not import."""
+    monkeypatch.setattr(modeling_mhc, "kernel_ops", None)
+    monkeypatch.setattr(modeling_mhc, "KERNELS_IMPORT_ERROR", ImportError("no module named 'hf_mhc' (in this test)"),
+                        raising=False)
+    used = op_sets_used(monkeypatch)
+    ids = torch.randint(0, VOCAB, (1, 4))
+    with caplog.at_level("WARNING"):
+        for residual_map in ("permutations", "sinkhorn"):
+            variant_model(residual_map)(ids)
+    warnings = [r.getMessage() for r in caplog.records if "hf_mhc.kernels failed to import" in r.getMessage()]
+    assert len(warnings) == 1 and "run the plain reference formula" in warnings[0]
+    assert used == {"reference"}
+    with pytest.raises(ImportError, match=r"hc_implementation='torch' needs hf_mhc.kernels, which failed to "
+                                          r"import .*use hc_implementation='reference'"):
+        variant_model("identity", hc_implementation="torch")(ids)
 
 
 @pytest.mark.parametrize("family, residual_map", [("qwen3", "sinkhorn"), ("llama", "identity"),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_mhc.kernels import coeffs_op, post_res_op, pre_op, sinkhorn_op
+from hf_mhc.kernels import coeffs_triton, post_res_triton, pre_triton, sinkhorn_triton
 
 WORKER = Path(__file__).parent / "workers" / "compile_for_cuda.py"
 # Per compute capability, the n:dtype cases to compile; each case compiles every kernel. sm_90 (H100 / H200): n = 3
@@ -29,7 +29,8 @@ SMALLEST_MAX_SHARED_BYTES = 99 * 1024  # per block on sm_86 / sm_89 (RTX 30xx / 
 
 
 def kernel_names() -> set[str]:
-    return {name for module in (coeffs_op, post_res_op, pre_op, sinkhorn_op) for name in vars(module)
+    return {name for module in (coeffs_triton, post_res_triton, pre_triton, sinkhorn_triton)
+            for name in vars(module)
             if name.startswith("_") and name.endswith("_kernel")}
 
 

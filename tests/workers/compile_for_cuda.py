@@ -32,16 +32,7 @@ POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16:
 
 def record_launches(n: int, dtype: torch.dtype) -> list[tuple[JITFunction, tuple, dict]]:
     """Every kernel launch of every op's forward and backward at ``n`` streams and stream dtype ``dtype``."""
-    from hf_mhc.kernels.coeffs_op import mhc_coeffs_bwd_op, mhc_coeffs_fwd_op
-    from hf_mhc.kernels.coeffs_pre_op import (
-        mhc_coeffs_pre_bwd_op,
-        mhc_coeffs_pre_fwd_op,
-        mhc_head_bwd_op,
-        mhc_head_fwd_op,
-    )
-    from hf_mhc.kernels.post_res_op import mhc_post_res_bwd_op, mhc_post_res_fwd_op
-    from hf_mhc.kernels.pre_op import mhc_pre_bwd_op, mhc_pre_fwd_op
-    from hf_mhc.kernels.sinkhorn_op import sinkhorn_bwd_op, sinkhorn_fwd_op
+    import hf_mhc.kernels.triton_backend  # noqa: F401  (registers the hf_mhc::*_triton custom ops)
     from hf_mhc.mhc_reference import MAX_PERMUTATION_STREAMS, map_sizes, scale_size
 
     launches = []
@@ -54,31 +45,31 @@ def record_launches(n: int, dtype: torch.dtype) -> list[tuple[JITFunction, tuple
     mix, rstd = torch.zeros(1, tokens, (n + 2) * n), torch.ones(1, tokens)
     head = torch.zeros(n, n * hidden), torch.zeros(n), torch.ones(1)
     head_mix = torch.zeros(1, tokens, n, dtype=f32)
-    sinkhorn_fwd_op(comb, iters, eps, "triton")
-    sinkhorn_bwd_op(comb, comb, iters, eps, "triton")
-    mhc_coeffs_fwd_op(streams, fn, base, scale, iters, eps, eps, "triton", "sinkhorn", 2.0)
-    mhc_coeffs_bwd_op(streams, fn, base, scale, mix, rstd, weights, weights, comb, iters, eps, "triton", "sinkhorn",
-                      2.0)
-    mhc_coeffs_pre_fwd_op(streams, fn, base, scale, iters, eps, eps, "triton", "sinkhorn", 2.0)
-    mhc_coeffs_pre_bwd_op(streams, fn, base, scale, weights, mix, rstd, y, weights, comb, iters, eps, "triton",
-                          "sinkhorn", 2.0)
-    mhc_head_fwd_op(streams, *head, eps, eps, "triton")
-    mhc_head_bwd_op(streams, *head, weights, head_mix, rstd, y, eps, "triton")
-    mhc_pre_fwd_op(streams, weights, "triton")
-    mhc_pre_bwd_op(streams, weights, y, "triton")
-    mhc_post_res_fwd_op(streams, y, weights, comb, "triton", False)
-    mhc_post_res_bwd_op(streams, y, weights, comb, streams, "triton", False)
+    ops = torch.ops.hf_mhc
+    ops.sinkhorn_fwd_triton(comb, iters, eps)
+    ops.sinkhorn_bwd_triton(comb, comb, iters, eps)
+    ops.mhc_coeffs_fwd_triton(streams, fn, base, scale, iters, eps, eps, "sinkhorn", 2.0)
+    ops.mhc_coeffs_bwd_triton(streams, fn, base, scale, mix, rstd, weights, weights, comb, iters, eps, "sinkhorn", 2.0)
+    ops.mhc_coeffs_pre_fwd_triton(streams, fn, base, scale, iters, eps, eps, "sinkhorn", 2.0)
+    ops.mhc_coeffs_pre_bwd_triton(streams, fn, base, scale, weights, mix, rstd, y, weights, comb, iters, eps,
+                                  "sinkhorn", 2.0)
+    ops.mhc_head_fwd_triton(streams, *head, eps, eps)
+    ops.mhc_head_bwd_triton(streams, *head, weights, head_mix, rstd, y, eps)
+    ops.mhc_pre_fwd_triton(streams, weights)
+    ops.mhc_pre_bwd_triton(streams, weights, y)
+    ops.mhc_post_res_fwd_triton(streams, y, weights, comb, False)
+    ops.mhc_post_res_bwd_triton(streams, y, weights, comb, streams, False)
     for residual_map in ("unconstrained", "identity", "permutations"):  # the other residual maps' launches
         if residual_map == "permutations" and n > MAX_PERMUTATION_STREAMS:
             continue
         rows = sum(map_sizes(n, residual_map))
         params = torch.zeros(rows, n * hidden), torch.zeros(rows), torch.ones(scale_size(residual_map))
         map_comb = torch.zeros(0) if residual_map == "identity" else comb
-        mhc_coeffs_fwd_op(streams, *params, iters, eps, eps, "triton", residual_map, 2.0)
-        mhc_coeffs_bwd_op(streams, *params, torch.zeros(1, tokens, rows), rstd, weights, weights, map_comb, iters, eps,
-                          "triton", residual_map, 2.0)
-    mhc_post_res_fwd_op(streams, y, weights, torch.zeros(0), "triton", True)
-    mhc_post_res_bwd_op(streams, y, weights, torch.zeros(0), streams, "triton", True)
+        ops.mhc_coeffs_fwd_triton(streams, *params, iters, eps, eps, residual_map, 2.0)
+        ops.mhc_coeffs_bwd_triton(streams, *params, torch.zeros(1, tokens, rows), rstd, weights, weights, map_comb,
+                                  iters, eps, residual_map, 2.0)
+    ops.mhc_post_res_fwd_triton(streams, y, weights, torch.zeros(0), True)
+    ops.mhc_post_res_bwd_triton(streams, y, weights, torch.zeros(0), streams, True)
     return launches
 
 
