@@ -15,8 +15,9 @@ built, ``tools/real_model.py``'s ``real_model_folder()``), loaded in float32. ``
   "What is the capital of France?", through the tokenizer's chat template when it has one), batch 1, the dynamic
   cache; with ``--static`` also ``cache_implementation="static"`` with ``torch.compile`` (the first call, compiling,
   timed apart). One warm-up call each, then ``--repeats`` repeats, the two models alternating within each: tokens/s
-  of each (median) and the median, minimum and maximum of the per-repeat ratios mHC / residual. Whether the two
-  generated the same tokens (``tokens_equal``) and the residual model's answer are recorded.
+  of each (the new tokens over the whole ``generate`` call, prefill included; median) and the median, minimum and
+  maximum of the per-repeat ratios mHC / residual. Whether the two generated the same tokens (``tokens_equal``) and
+  the residual model's answer are recorded.
 - ``memory``: the bytes autograd holds for backward after a training forward (labels, no cache) of ``--batch`` x
   ``--tokens`` tokens, parameters excluded (``hf_mhc.activation_count.held_by_case`` on the real models): the
   residual model, the mHC model and the mHC model with ``hc_recompute``; beside each, what ``hf-mhc plan FOLDER
@@ -103,6 +104,11 @@ def alternate(runs: dict[str, Callable[[], float]], repeats: int, label: str) ->
     return samples
 
 
+def threads_text() -> str:
+    threads = torch.get_num_threads()
+    return f"{threads} thread" + ("" if threads == 1 else "s")
+
+
 def record_rss(results: dict, phase: str) -> None:
     """Append this process's peak RSS (``ru_maxrss``, KiB on Linux) and current RSS, in MiB, after ``phase``."""
     pages = int(Path("/proc/self/statm").read_text().split()[1]) if Path("/proc/self/statm").exists() else 0
@@ -158,7 +164,8 @@ def decode(source, mhc, tokenizer, args: argparse.Namespace) -> dict:
 def decode_table(section: dict, args: argparse.Namespace) -> list[str]:
     lines = [f"greedy decoding of {section['new_tokens']} tokens after the {section['prompt_tokens']}-token prompt "
              f"{section['prompt']!r}" + (" (chat template)" if section["chat_template"] else "")
-             + f", batch 1, float32, {torch.get_num_threads()} threads; tokens/s (median of {args.repeats})",
+             + f", batch 1, float32, {threads_text()}; tokens/s (new tokens over the whole generate call, median of "
+             f"{args.repeats})",
              "| cache | residual tokens/s | mHC tokens/s | mHC / residual, median (min-max) | first call s, residual "
              "/ mHC | same tokens |",
              "| --- | ---: | ---: | ---: | ---: | --- |"]
@@ -240,7 +247,7 @@ def train(source, mhc, args: argparse.Namespace) -> dict:
 
 def train_table(section: dict, args: argparse.Namespace) -> list[str]:
     lines = [f"training step (zero_grad, forward + backward of the loss, AdamW step), batch {section['batch']} x "
-             f"{section['tokens']} tokens, {torch.get_num_threads()} threads; median of {args.repeats}; ratio to "
+             f"{section['tokens']} tokens, {threads_text()}; median of {args.repeats}; ratio to "
              "the residual median (min-max of the per-repeat ratios)",
              "| precision | model | median ms | / residual (min-max) |",
              "| --- | --- | ---: | ---: |"]
