@@ -105,13 +105,19 @@ def compare(source, model, input_ids, args, label: str, eager_model=None, **opti
             | {"tokens_equal": bool(torch.equal(tokens, expected) and torch.equal(eager_tokens, expected))})
 
 
+def static_compile_options() -> dict:
+    """``generate`` options for ``cache_implementation="static"`` with ``torch.compile``
+    (``CompileConfig(fullgraph=True)``), on CPU too."""
+    compile_config = CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = True  # generate compiles only on accelerators unless told (not an argument)
+    return {"cache_implementation": "static", "compile_config": compile_config}
+
+
 def static_compiled(source, model, input_ids, args, label: str) -> dict:
     """``cache_implementation="static"`` with ``torch.compile``: the first call's seconds (compiling), then timings.
     The mHC model without the fast path is a copy compiled with the switch off: a compiled step keeps the path it
     was traced with."""
-    compile_config = CompileConfig(fullgraph=True)
-    compile_config._compile_all_devices = True  # generate compiles only on accelerators unless told (not an argument)
-    options = {"cache_implementation": "static", "compile_config": compile_config}
+    options = static_compile_options()
     eager_model = copy.deepcopy(model)
     first = {}
     plain = contextlib.nullcontext

@@ -4,21 +4,24 @@ The scripts run in this process at their smallest sizes (a few seconds in all). 
 ``bench_convert`` measure child processes (each imports torch) and a 2 GB checkpoint: there the measurement and the
 checkpoint writer are replaced by stand-ins, and the rest of the script runs as it is. ``bench_pipeline`` starts its
 two gloo ranks (child processes) for real once: the second run of a test reuses the ranks' results of the first.
-``bench_serve`` starts its two ``hf-mhc serve`` processes for real, in each run.
+``bench_serve`` starts its two ``hf-mhc serve`` processes for real, in each run. ``bench_real_model`` runs on a tiny
+Llama folder with the byte tokenizer and a chat template, its ``hf-mhc convert`` and copy in this process.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import time
 from pathlib import Path
 
 import pytest
-from conftest import JANEAUSTEN, STORIES260K, import_script
+from conftest import EXAMPLES, JANEAUSTEN, STORIES260K, import_script, tiny_backbone_config
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = ["bench_kernels", "bench_memory", "bench_training_step", "bench_upcycle", "bench_convert", "bench_kv_cache",
            "bench_pipeline", "paper_miniature", "upcycle_miniature", "bench_generate",
-           "bench_serve"]
+           "bench_serve", "bench_real_model"]
 TINY = {
     "bench_kernels": ["--n", "2", "--hidden", "16", "--tokens", "8", "--repeats", "1", "--device", "cpu"],
     "bench_memory": ["--n", "2", "--hidden", "128", "--layers", "1", "--tokens", "16"],
@@ -39,6 +42,7 @@ TINY = {
                        "--prompt", "4", "--repeats", "1"],
     "bench_serve": ["--hidden", "64", "--layers", "1", "--modes", "continuous-batching", "--concurrency", "2",
                     "--requests-per-client", "1", "--new-tokens", "2", "--prompt", "2", "--repeats", "1"],
+    "bench_real_model": ["--only", "decode", "memory", "--repeats", "1", "--new-tokens", "2", "--tokens", "8"],
 }
 PROGRESS = {
     "bench_kernels": "repeat 1/1: ",
@@ -52,6 +56,7 @@ PROGRESS = {
     "upcycle_miniature": "pretrained 2x32: seed 1: naive: step 3/3",
     "bench_generate": "case 1/1: C=64 batch=1: repeat 1/1",
     "bench_serve": "mode 1/1: continuous-batching: concurrency 2: repeat 1/1",
+    "bench_real_model": "decode, dynamic cache: repeat 1/1: ",
 }
 
 
@@ -85,6 +90,8 @@ def stand_ins(module, name: str, monkeypatch, scratch: Path) -> None:
 
         monkeypatch.setattr(module, "write_synthetic_checkpoint", write_checkpoint)
         monkeypatch.setattr(module, "measure", measure)
+    if name == "bench_real_model":  # its default model: a tiny Llama folder instead of make real-model's
+        monkeypatch.setattr(module, "real_model_folder", lambda: save_tiny_chat_llama(scratch / "tiny-llama"))
     if name == "bench_pipeline":
         ranks_results = {}
 
@@ -353,3 +360,91 @@ def test_a_tokenizer_without_a_vocabulary_is_named_not_taken_for_a_small_dataset
                                    "--dataset", str(tmp_path / "corpus.txt")], capsys)
     assert message == (f"the tokenizer of {source.resolve()} (GPT2Tokenizer) turns the corpus into 0 tokens: it has "
                        "no vocabulary")
+
+
+def save_tiny_chat_llama(folder: Path) -> Path:
+    """A 2-layer Llama with tied embeddings (as SmolLM2) over the byte tokenizer, which gets a one-line chat template,
+    saved to ``folder`` (once); ``initializer_range=0.2`` gives logits of a few units, so the greedy tokens of the
+    source and its upcycle agree for a reason."""
+    from transformers import AutoModelForCausalLM
+
+    if (folder / "config.json").is_file():
+        return folder
+    tokenizer = import_script(EXAMPLES / "fsdp2_finetune.py").byte_tokenizer()
+    tokenizer.chat_template = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+                               "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    config = tiny_backbone_config("llama", vocab_size=len(tokenizer), tie_word_embeddings=True,
+                                  initializer_range=0.2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def copy_or_convert_here(command: list[str]) -> dict[str, float]:
+    """``bench_convert.measure`` in this process: ``hf-mhc convert ...`` through the CLI's ``main``, the copy
+    (``python -c CODE SRC OUT``) with ``shutil.copytree``; the seconds, no peak RSS."""
+    from hf_mhc.cli import main as hf_mhc_main
+
+    start = time.perf_counter()
+    if command[1] == "convert":
+        assert hf_mhc_main(command[1:]) == 0
+    else:
+        shutil.copytree(command[-2], command[-1])
+    return {"seconds": time.perf_counter() - start, "peak_rss_mb": 0.0}
+
+
+def test_bench_real_model_measures_every_section_and_the_two_models_answer_alike(load, tmp_path, monkeypatch, capsys,
+                                                                                 one_thread):
+    """Every section on the tiny Llama: decode (the chat prompt, the same tokens), memory (measured against hf-mhc
+    plan, within 10 %), train (three models, float32 and bfloat16 autocast), convert (with and without verifying,
+    against a copy); one table per section, the command line first."""
+    folder = save_tiny_chat_llama(tmp_path / "tiny-llama")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    module = load("bench_real_model")
+    monkeypatch.setattr(module, "measure", copy_or_convert_here)
+    argv = ["--model", str(folder), "--repeats", "2", "--new-tokens", "3", "--tokens", "8", "--convert-repeats", "1",
+            "--threads", "1", "--json", "out/results.json"]
+    module.main(argv)
+    out, err = capsys.readouterr()
+    for line in ("decode, dynamic cache: repeat 2/2: residual ", "memory: hf-mhc plan of the same shapes",
+                 "train, bfloat16 autocast: repeat 2/2: residual ", "convert: repeat 1/1: convert --no-verify"):
+        assert line in err
+    tables = out.split(f"command: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_real_model.py --model "
+                       f"{folder} ")[1]  # after what hf-mhc convert printed
+    assert sum(line.startswith("| --- |") for line in tables.splitlines()) == 5  # decode, memory, train, convert, RSS
+
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["threads"] == 1 and results["sections"] == ["decode", "memory", "train", "convert"]
+    decode = results["decode"]
+    assert decode["chat_template"] and decode["new_tokens"] == 3 and [run["cache"] for run in decode["runs"]] == [
+        "dynamic"]
+    run = decode["runs"][0]
+    assert run["tokens_equal"] is True
+    assert run["residual_tokens_per_s"] > 0 and run["mhc_tokens_per_s"] > 0
+    assert run["ratio_min"] <= run["ratio_median"] <= run["ratio_max"]
+    memory = results["memory"]
+    assert [row["case"] for row in memory["rows"]] == ["residual", "mhc", "mhc + hc_recompute"]
+    for row in memory["rows"]:
+        assert row["measured_bytes"] > 0 and row["measured_over_planned"] == pytest.approx(1, abs=0.1)
+    assert memory["plan_command"] == (f"hf-mhc plan {folder} --hc-mult 4 --dtype float32 --tokens 8 --batch 2 "
+                                      "--json PATH")
+    rows = results["train"]["rows"]
+    assert [(row["dtype"], row["case"]) for row in rows] == [
+        (dtype, case) for dtype in ("float32", "bfloat16") for case in ("residual", "mhc", "mhc + hc_recompute")]
+    assert all(row["median_ms"] > 0 and row["ratio_min"] <= row["ratio_max"] for row in rows)
+    assert rows[0]["ratio_of_medians"] == rows[3]["ratio_of_medians"] == 1
+    convert = results["convert"]
+    assert convert["ratio_to_copy_seconds"].keys() == {"convert", "convert --no-verify"}
+    assert set(tmp_path.iterdir()) == {folder, tmp_path / "out"}  # the copies and conversions were temporary
+    assert [row["phase"] for row in results["rss"]] == ["loading both models", "decode", "memory", "train"]
+
+
+def test_bench_real_model_names_a_missing_model_in_one_line(load, tmp_path, monkeypatch):
+    module = load("bench_real_model")
+    monkeypatch.setenv("HF_MHC_REAL_MODEL", str(tmp_path / "missing"))
+    with pytest.raises(SystemExit, match=r"^bench_real_model.py: error: no real model in .*missing: run make "
+                                         r"real-model"):
+        module.main(["--only", "convert"])
+    with pytest.raises(SystemExit, match=r"^bench_real_model.py: error: --model: no config.json in "):
+        module.main(["--model", str(tmp_path), "--only", "convert"])
