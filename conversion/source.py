@@ -54,10 +54,9 @@ HUB_METADATA_PATTERNS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class ResolvedSource:
-    """A source checkpoint as a local folder; ``hub_id`` is set when it came from the Hugging Face Hub."""
+    """A source checkpoint as a local folder (a Hub id's is its snapshot in the cache)."""
 
     folder: Path
-    hub_id: str | None = None
 
 
 def resolve_source(src: str | Path, *, allow_pickle: bool = False) -> ResolvedSource:
@@ -96,7 +95,7 @@ def resolve_source(src: str | Path, *, allow_pickle: bool = False) -> ResolvedSo
             f"SRC {str(src)!r} is not a local folder and could not be fetched from the Hugging Face Hub ({reason}); "
             "check the path or the model id (and HF_TOKEN for gated models, HF_HUB_OFFLINE for the cache)."
         ) from None
-    return ResolvedSource(folder, hub_id=str(src))
+    return ResolvedSource(folder)
 
 
 def allowed_link_roots(folder: Path) -> tuple[Path, ...]:

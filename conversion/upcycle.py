@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from hf_mhc.configuration_mhc import MHCConfig, check_backbone_type, check_hc_options
+from hf_mhc.model_card import source_name
 from hf_mhc.modeling_mhc import HC_MODULE_NAMES, MHCForCausalLM, function_preserving_hc_tensors
 
 
@@ -19,14 +20,16 @@ def is_hc_parameter(name: str) -> bool:
 
 
 def mhc_config_for(backbone_config, hc_mult: int = MHCConfig.hc_mult, **hc_options) -> MHCConfig:
-    """An :class:`MHCConfig` wrapping a copy of ``backbone_config`` (function-preserving initialisation).
+    """An :class:`MHCConfig` wrapping a copy of ``backbone_config`` (function-preserving initialisation), with the
+    source it names recorded as ``upcycled_from`` (:func:`~hf_mhc.model_card.source_name` of its ``name_or_path``).
     ``hc_options`` must be mHC fields (``ValueError`` naming the closest one otherwise)."""
     check_hc_options(hc_options, "mhc_config_for")
     check_backbone_type(getattr(backbone_config, "model_type", None))
     if hc_options.get("hc_init", "function_preserving") != "function_preserving":
         raise ValueError("Upcycling needs hc_init='function_preserving', the initialisation that keeps the function.")
     backbone = copy.deepcopy(backbone_config)
-    return MHCConfig(backbone_config=backbone, hc_mult=hc_mult, **hc_options)
+    return MHCConfig(backbone_config=backbone, hc_mult=hc_mult, upcycled_from=source_name(backbone.name_or_path),
+                     **hc_options)
 
 
 # upcycle's residual_map, an alias of the MHCConfig field hc_residual_map: accepted, with a FutureWarning, until this

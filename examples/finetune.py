@@ -30,10 +30,10 @@ to run when a later complete checkpoint is there (nothing complete is replaced o
 that is incomplete, damaged (a file cut short) or not a Trainer's.
 
 --overwrite reuses the folder of an earlier run: before training it deletes that run's model, adapter and tokenizer
-files (with the mHC code files saved beside a model), its PEFT model card, merged/, upcycled_base/ and checkpoint-*/
-(so that no stale adapter_config.json or weight shard can mix into the new result), lists what it deleted, and keeps
-every other file. It refuses a folder that holds
-no model, adapter or Trainer output, and the working directory or the home folder.
+files (with the mHC code files saved beside a model), its model card (PEFT's, or hf-mhc's when unedited), merged/,
+upcycled_base/ and checkpoint-*/ (so that no stale adapter_config.json or weight shard can mix into the new result),
+lists what it deleted, and keeps every other file. It refuses a folder that holds no model, adapter or Trainer
+output, and the working directory or the home folder.
 
 Bad input (a missing path, unusable dataset files or texts, an unwritable or non-empty --output-dir, a --report-to
 integration that is not installed, ...) stops before any training with one "finetune.py: error: ..." line.
@@ -87,6 +87,7 @@ from example_utils import (  # noqa: E402
 import hf_mhc  # noqa: E402
 from hf_mhc.common import first_line, folder_error, looks_like_local_path, output_path_error  # noqa: E402
 from hf_mhc.diagnostics import MHCStabilityCallback  # noqa: E402
+from hf_mhc.model_card import CARD_FILE, is_hf_mhc_card  # noqa: E402
 
 # transformers renamed TrainingArguments.gradient_checkpointing to activation_checkpointing during 5.x
 CHECKPOINTING_FIELD = next(
@@ -266,6 +267,17 @@ def is_peft_model_card(path: Path) -> bool:
     return head.startswith("---") and "library_name: peft" in head.split("\n---", 1)[0]
 
 
+def is_earlier_model_card(path: Path) -> bool:
+    """A ``README.md`` that a run wrote: PEFT's beside an adapter, or hf-mhc's beside an upcycled model, unedited
+    (:func:`hf_mhc.model_card.is_hf_mhc_card`). A card someone wrote or edited is no run's output."""
+    if path.name != CARD_FILE or not path.is_file() or path.is_symlink():
+        return False
+    try:
+        return is_peft_model_card(path) or is_hf_mhc_card(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def looks_like_earlier_output(folder: Path) -> bool:
     """Whether ``folder`` holds what a fine-tuning run writes: a model, an adapter, a Trainer checkpoint."""
     def json_has(name: str, key: str) -> bool:
@@ -283,13 +295,13 @@ def looks_like_earlier_output(folder: Path) -> bool:
 def clear_earlier_run(folder: Path, *, checkpoints: bool, subfolders: tuple[str, ...] = OUTPUT_SUBFOLDERS
                       ) -> tuple[list[str], list[str]]:
     """Delete the files an earlier run wrote to ``folder`` (:data:`OUTPUT_FILE_PATTERNS`, the mHC remote-code files
-    and PEFT's model card), there and in ``subfolders`` and, with ``checkpoints``, in ``checkpoint-*``
+    and the model cards of PEFT and hf-mhc), there and in ``subfolders`` and, with ``checkpoints``, in ``checkpoint-*``
     (:func:`example_utils.clear_earlier_output`). Every other file stays. Returns the deleted and the kept names."""
     code_files = mhc_code_files()
 
     def is_output_file(entry: Path) -> bool:
         return (any(entry.match(pattern) for pattern in OUTPUT_FILE_PATTERNS) or entry.name in code_files
-                or (entry.name == "README.md" and is_peft_model_card(entry)))
+                or is_earlier_model_card(entry))
 
     def cleared_subfolder(relative: Path) -> bool:
         return len(relative.parts) == 1 and (relative.name in subfolders or (

@@ -132,6 +132,8 @@ class MHCConfig(PreTrainedConfig):
             coefficients, collapsed inputs and the streams between the sublayers instead of keeping them.
         tie_word_embeddings (`bool`, *optional*): the backbone's own flag, mirrored here; a value given is written to
             the backbone config.
+        upcycled_from (`str`, *optional*): the residual model this one was upcycled from, as `hf_mhc.upcycle` and
+            `hf-mhc convert` record it: a Hub id, or a local folder's name; the model card's `base_model`.
 
     Raises:
         ValueError: a backbone family without a wiring entry, or an mHC value out of range (one line naming it).
@@ -163,6 +165,7 @@ class MHCConfig(PreTrainedConfig):
     hc_implementation: HCImplementation = "auto"
     hc_recompute: bool = False
     tie_word_embeddings: bool | None = None  # None: the backbone's; a value given here is written to the backbone
+    upcycled_from: str | None = None  # provenance, not an mHC option: set by upcycling, read by the model card
 
     def __post_init__(self, **kwargs):
         # Fields arrive as attributes, everything else (transformers_version, auto_map, ...) in kwargs: an hc_* key
@@ -188,9 +191,12 @@ class MHCConfig(PreTrainedConfig):
 
     def to_dict(self) -> dict:
         """The config as saved in ``config.json``, without ``hc_implementation`` (a runtime choice, as
-        ``attn_implementation`` is)."""
+        ``attn_implementation`` is), and without ``upcycled_from`` when it is unset: a model that was not upcycled
+        saves the ``config.json`` it saved before the field existed."""
         output = super().to_dict()
         output.pop("hc_implementation", None)
+        if output.get("upcycled_from") is None:
+            output.pop("upcycled_from", None)
         return output
 
     def _backbone_fields(self) -> set[str]:
@@ -256,6 +262,10 @@ class MHCConfig(PreTrainedConfig):
             and name in type(backbone).__dataclass_fields__
         ):
             setattr(backbone, name, value)
+        elif name == "upcycled_from":
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"upcycled_from must be a Hub id or a folder name (or None), got {value!r}.")
+            super().__setattr__(name, value)
         elif name == "tie_word_embeddings" and value is not None and isinstance(backbone, PreTrainedConfig):
             backbone.tie_word_embeddings = value  # both places, or a saved checkpoint reloads untied
             super().__setattr__(name, value)

@@ -18,6 +18,7 @@ import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import transformers
@@ -51,6 +52,10 @@ try:  # the plugin's kernels and their dispatch table (absent where a checkpoint
     from hf_mhc.kernels.dispatch import mhc_ops as kernel_ops
 except ImportError as error:
     kernel_ops, KERNELS_IMPORT_ERROR = None, error
+try:  # the plugin's model card (remote code alone saves none)
+    from hf_mhc import model_card
+except ImportError:
+    model_card = None
 
 logger = logging.get_logger(__name__)
 
@@ -377,7 +382,9 @@ class MHCPreTrainedModel(PreTrainedModel):
         The remote-code files are ``configuration_mhc.py``, ``modeling_mhc.py`` and the files it imports,
         ``mhc_reference.py`` and ``distributed.py``. A model whose class a torch wrapper replaced (FSDP2's
         ``fully_shard`` turns ``MHCForCausalLM`` into ``FSDPMHCForCausalLM``) saves as the class it wraps: the same
-        ``auto_map`` and files as the unwrapped model."""
+        ``auto_map`` and files as the unwrapped model. An upcycled model (``config.upcycled_from`` set) also gets
+        hf-mhc's model card, ``README.md``, unless the folder holds one that hf-mhc did not write
+        (:mod:`hf_mhc.model_card`)."""
         self.config.auto_map = dict(AUTO_MAP)
         use_backbone_weight_conversions(self.config.backbone_config.model_type)  # MoE experts in the published layout
         runtime_class = type(self)
@@ -385,9 +392,35 @@ class MHCPreTrainedModel(PreTrainedModel):
         # its state and hooks on the instance, so the model saves the same while it is, briefly, of the mHC class.
         self.__class__ = next(cls for cls in runtime_class.__mro__ if not cls.__module__.startswith("torch."))
         try:
-            return super().save_pretrained(save_directory, *args, **kwargs)
+            saved = super().save_pretrained(save_directory, *args, **kwargs)
+            is_main_process = kwargs.get("is_main_process", args[0] if args else True)
+            if self.config.upcycled_from is not None and model_card is not None and is_main_process:
+                self._write_model_card(Path(save_directory))
         finally:
             self.__class__ = runtime_class
+        return saved
+
+    def _write_model_card(self, folder: Path) -> None:
+        """hf-mhc's model card in ``folder``, or one line saying why the ``README.md`` there is left as it is."""
+        if not model_card.may_write_card(folder):
+            logger.warning(model_card.kept_card_message(folder))
+            return
+        # The Auto class that loads the saved class (or the mHC class it derives from); a causal LM's by default.
+        auto_classes = {target.rpartition(".")[2]: name for name, target in AUTO_MAP.items()}
+        auto_class = next((auto_classes[cls.__name__] for cls in type(self).__mro__ if cls.__name__ in auto_classes),
+                          "AutoModelForCausalLM")
+        dtype = str(self.dtype).removeprefix("torch.")
+        quantization = getattr(self.config, "quantization_config", None)
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
+            quantization, "quant_method", None)
+        quantized = f", Linear weights quantized ({getattr(method, 'value', method)})" if quantization else ""
+        card = model_card.model_card(
+            self.config, folder.name, made_by="`save_pretrained`", auto_class=auto_class,
+            weights=f"backbone tensors in {dtype}{quantized}; HC tensors float32.",
+            verification="not verified: upcycled in memory (`hf_mhc.upcycle`) or trained since; `hf-mhc convert` "
+            "compares the logits and greedy decoding of a conversion with its source.",
+        )
+        (folder / model_card.CARD_FILE).write_text(card, encoding="utf-8")
 
     def _init_weights(self, module: nn.Module) -> None:
         """Backbone modules as the backbone initialises them (its ``_init_weights``: Gemma's zero-centred norms, MoE

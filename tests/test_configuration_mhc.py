@@ -72,6 +72,8 @@ INVALID_VALUES = [
         (dict(hc_post_magnitude=math.nan), "hc_post_magnitude must be a finite number, got nan"),
         (dict(hc_post_magnitude=3.0), "hc_post_magnitude applies to hc_residual_map='identity' only"),
         (dict(hc_implementation="cuda"), "hc_implementation must be one of auto, reference, torch, triton; got 'cuda'"),
+        (dict(upcycled_from=3), "upcycled_from must be a Hub id or a folder name .or None., got 3"),
+        (dict(upcycled_from=" "), "upcycled_from must be a Hub id or a folder name .or None., got ' '"),
 ]
 
 
@@ -143,7 +145,7 @@ def test_every_value_survives_save_and_reload_and_a_misspelt_saved_key_is_refuse
     assert set(values) | {"hc_implementation"} == set(hc_options())  # a new field must be added here
     backbone = tiny_backbone_config("qwen3", tie_word_embeddings=True, rms_norm_eps=1e-5)
     config = MHCConfig(backbone_config=backbone, architectures=["MHCForCausalLM"], dtype="bfloat16",
-                       hc_implementation="triton", **values)
+                       hc_implementation="triton", upcycled_from="tiny-org/tiny-qwen3", **values)
     config.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert "hc_implementation" not in saved  # the machine's choice, like attn_implementation: loads as "auto"
@@ -155,6 +157,7 @@ def test_every_value_survives_save_and_reload_and_a_misspelt_saved_key_is_refuse
         assert type(loaded.hc_init_comb_diag) is int and type(loaded.hc_recompute) is bool
         assert loaded.backbone_config.to_dict() == config.backbone_config.to_dict()
         assert loaded.tie_word_embeddings is True and loaded.architectures == ["MHCForCausalLM"]
+        assert loaded.upcycled_from == "tiny-org/tiny-qwen3"
         assert loaded.dtype == torch.bfloat16
         assert {k: v for k, v in loaded.to_dict().items() if k != "_name_or_path"} == {
             k: v for k, v in config.to_dict().items() if k != "_name_or_path"}

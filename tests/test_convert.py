@@ -14,6 +14,7 @@ experts, published one tensor per expert), check that transformers reads it as t
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from conftest import (
     tiny_backbone_config,
     token_ids,
 )
+from huggingface_hub import ModelCard
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaForSequenceClassification
@@ -125,9 +127,40 @@ def test_python_api_output_equals_save_pretrained_and_half_precision_keeps_hc_in
     for code_file in ("modeling_mhc.py", "configuration_mhc.py", "mhc_reference.py"):
         assert (out / code_file).read_bytes() == (reference / code_file).read_bytes()
     assert (out / "generation_config.json").read_text() == (tmp_path / "src" / "generation_config.json").read_text()
-    card = (out / "README.md").read_text()
-    assert str(tmp_path / "src") in card and "hc_mult = 4" in card and "function-preserving" in card
-    assert f"Verification:** passed: {dtype}" in card
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model == "src" and card.data.library_name == "transformers" and "mhc" in card.data.tags
+    assert "hc_mult = 4" in card.text and "hc_init = `function_preserving`" in card.text
+    assert f"Verification:** passed: {dtype}" in card.text and str(tmp_path) not in card.content
+
+
+def test_the_model_card_says_how_it_was_made_and_a_card_hf_mhc_did_not_write_survives_overwrite(tmp_path, capsys):
+    """The card reads back with huggingface_hub: the source folder's name as ``base_model``, the verification's
+    largest logit difference and its threshold, or "not verified"; ``--overwrite`` updates hf-mhc's own card, and
+    keeps one that someone edited, byte for byte, with a warning line."""
+    save_source(tmp_path / "tiny-llama", "llama")
+    out = tmp_path / "out"
+    status, _, err = convert(capsys, tmp_path / "tiny-llama", out, "--hc-mult", "3")
+    assert status == 0, err
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model == "tiny-llama" and card.data.library_name == "transformers"
+    assert {"mhc", "hf-mhc"} <= set(card.data.tags)
+    assert "**hc_mult = 3**" in card.text and "residual map `sinkhorn`" in card.text
+    assert re.search(r"\*\*Verification:\*\* passed: .*max \|logit difference\| \S+ \(threshold \S+", card.text)
+    assert 'from_pretrained("out", trust_remote_code=True)' in card.text
+
+    status, _, err = convert(capsys, tmp_path / "tiny-llama", out, "--overwrite", "--no-verify",
+                             "--residual-map", "identity")
+    assert status == 0 and "README.md" not in err, err
+    card = ModelCard.load(out / "README.md")
+    assert "residual map `identity`" in card.text and "**Verification:** not verified" in card.text
+
+    edited = (out / "README.md").read_text() + "\nMy notes on this model.\n"
+    (out / "README.md").write_text(edited)
+    status, _, err = convert(capsys, tmp_path / "tiny-llama", out, "--overwrite", "--no-verify")
+    assert status == 0, err
+    assert (out / "README.md").read_text() == edited
+    assert f"hf-mhc convert: warning: {out / 'README.md'} was not written by hf-mhc" in err
+    assert not leftovers(tmp_path)
 
 
 @pytest.mark.skipif(not STORIES260K.is_dir(), reason="../shared/assets/stories260K is not present")

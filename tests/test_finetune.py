@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedToken
 
 import hf_mhc
 from hf_mhc.conversion import is_hc_parameter
+from hf_mhc.model_card import is_hf_mhc_card
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "finetune.py"
@@ -278,9 +279,9 @@ def test_a_non_empty_output_dir_needs_overwrite_which_replaces_only_the_earlier_
     printed = capsys.readouterr().out
     assert "--overwrite: deleted the earlier run's" in printed and "kept 1 other file(s): notes.txt" in printed
     assert (out / "notes.txt").read_text() == "the user's own notes"
-    for stale in ("adapter_config.json", "adapter_model.safetensors", "README.md", "merged", "upcycled_base",
-                  "checkpoint-3"):
+    for stale in ("adapter_config.json", "adapter_model.safetensors", "merged", "upcycled_base", "checkpoint-3"):
         assert not (out / stale).exists(), stale
+    assert is_hf_mhc_card((out / "README.md").read_text())  # PEFT's card gone, the trained model's own in its place
     assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-2"]  # the last step is saved too
     # The saved model is the trained one alone: no stale adapter applied on load.
     trained = AutoModelForCausalLM.from_pretrained(out).eval()
