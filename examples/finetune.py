@@ -87,7 +87,7 @@ from example_utils import (  # noqa: E402
 import hf_mhc  # noqa: E402
 from hf_mhc.common import first_line, folder_error, looks_like_local_path, output_path_error  # noqa: E402
 from hf_mhc.diagnostics import MHCStabilityCallback  # noqa: E402
-from hf_mhc.model_card import CARD_FILE, is_hf_mhc_card  # noqa: E402
+from hf_mhc.model_card import CARD_FILE, is_hf_mhc_card_file  # noqa: E402
 
 # transformers renamed TrainingArguments.gradient_checkpointing to activation_checkpointing during 5.x
 CHECKPOINTING_FIELD = next(
@@ -269,13 +269,10 @@ def is_peft_model_card(path: Path) -> bool:
 
 def is_earlier_model_card(path: Path) -> bool:
     """A ``README.md`` that a run wrote: PEFT's beside an adapter, or hf-mhc's beside an upcycled model, unedited
-    (:func:`hf_mhc.model_card.is_hf_mhc_card`). A card someone wrote or edited is no run's output."""
+    (:func:`hf_mhc.model_card.is_hf_mhc_card_file`). A card someone wrote or edited is no run's output."""
     if path.name != CARD_FILE or not path.is_file() or path.is_symlink():
         return False
-    try:
-        return is_peft_model_card(path) or is_hf_mhc_card(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError):
-        return False
+    return is_peft_model_card(path) or is_hf_mhc_card_file(path)
 
 
 def looks_like_earlier_output(folder: Path) -> bool:

@@ -110,15 +110,20 @@ def is_hf_mhc_card(text: str) -> bool:
     return line is not None and line.group(1) == _digest(text[: line.start()] + text[line.end() :])
 
 
-def may_write_card(folder: Path) -> bool:
-    """Whether a card may be written into ``folder``: it has no ``README.md``, or hf-mhc's own, unedited."""
-    card = folder / CARD_FILE
-    if not os.path.lexists(card):
-        return True
-    try:  # never through a link, nor over a folder or an unreadable file
-        return card.is_file() and not card.is_symlink() and is_hf_mhc_card(card.read_text(encoding="utf-8"))
+def is_hf_mhc_card_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file (not a link, a folder or unreadable) holding an unedited hf-mhc card
+    (:func:`is_hf_mhc_card`)."""
+    try:
+        return path.is_file() and not path.is_symlink() and is_hf_mhc_card(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError):
         return False
+
+
+def may_write_card(folder: Path) -> bool:
+    """Whether a card may be written into ``folder``: it has no ``README.md``, or hf-mhc's own, unedited (never
+    through a link, nor over a folder or an unreadable file)."""
+    card = folder / CARD_FILE
+    return not os.path.lexists(card) or is_hf_mhc_card_file(card)
 
 
 def kept_card_message(folder: Path) -> str:
@@ -131,4 +136,7 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-__all__ = ["CARD_FILE", "is_hf_mhc_card", "kept_card_message", "may_write_card", "model_card", "source_name"]
+__all__ = [
+    "CARD_FILE", "is_hf_mhc_card", "is_hf_mhc_card_file", "kept_card_message", "may_write_card", "model_card",
+    "source_name",
+]
