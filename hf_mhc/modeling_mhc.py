@@ -145,29 +145,36 @@ class MHCHyperConnection(nn.Module):
         dtype), ``post [B, T, n]`` and ``comb [B, T, n, n]`` (float32; ``None`` for the identity map), in one op.
         No output tensor is a view: this module is an FSDP2 unit of its own, and FSDP2's pre-backward hook on a view
         output can be lost to an in-place op."""
-        ops = hc_ops(self.config.hc_implementation, streams, self.fn, self.base, self.scale)
-        return ops.mhc_coeffs_pre(streams, self.fn, self.base, self.scale, **self._map_settings())
+        config = vars(self.config)
+        ops = hc_ops(config["hc_implementation"], streams, self.fn, self.base, self.scale)
+        return ops.mhc_coeffs_pre(streams, self.fn, self.base, self.scale, **self._map_settings(config))
 
     def merge(self, streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor,
               comb: torch.Tensor | None) -> torch.Tensor:
         """The sublayer's ``output [B, T, C]`` merged back: ``X'[i] = post[i]·y + Σ_j comb[j, i]·X[j]``, streams'
         dtype (``comb`` ``None``: ``X'[i] = post[i]·y + X[i]``). Reads no parameter of the site."""
         weights = (output, post) if comb is None else (output, post, comb)
-        return hc_ops(self.config.hc_implementation, streams, *weights).mhc_post_res(streams, output, post, comb)
+        ops = hc_ops(vars(self.config)["hc_implementation"], streams, *weights)
+        return ops.mhc_post_res(streams, output, post, comb)
 
     def maps(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The site's maps alone: ``pre [B, T, n]``, ``post [B, T, n]``, ``comb [B, T, n, n]`` (float32), ``comb``
         being the one applied (the identity for ``hc_residual_map="identity"``)."""
-        ops = hc_ops(self.config.hc_implementation, streams, self.fn, self.base, self.scale)
-        return ops.mhc_coeffs(streams, self.fn, self.base, self.scale, **self._map_settings())
+        config = vars(self.config)
+        ops = hc_ops(config["hc_implementation"], streams, self.fn, self.base, self.scale)
+        return ops.mhc_coeffs(streams, self.fn, self.base, self.scale, **self._map_settings(config))
 
     hc_sinkhorn_iters = property(lambda self: self.config.hc_sinkhorn_iters)
     hc_eps = property(lambda self: self.config.hc_eps)
     norm_eps = property(lambda self: self.config.backbone_config.rms_norm_eps)
 
-    def _map_settings(self) -> dict:
-        return dict(sinkhorn_iters=self.hc_sinkhorn_iters, eps=self.hc_eps, norm_eps=self.norm_eps,
-                    residual_map=self.config.hc_residual_map, post_magnitude=self.config.hc_post_magnitude)
+    @staticmethod
+    def _map_settings(config: dict) -> dict:
+        """The keywords of the map ops, from the config's fields ``vars(config)``: one lookup per call, where reading
+        each setting as an attribute goes through ``PreTrainedConfig.__getattribute__`` (Python) once per setting."""
+        return dict(sinkhorn_iters=config["hc_sinkhorn_iters"], eps=config["hc_eps"],
+                    norm_eps=vars(config["backbone_config"])["rms_norm_eps"], residual_map=config["hc_residual_map"],
+                    post_magnitude=config["hc_post_magnitude"])
 
 
 class MHCHyperHead(nn.Module):
@@ -187,8 +194,10 @@ class MHCHyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """``streams [B, T, n, C]`` -> ``Σ_i pre_h[i]·X[i]`` ``[B, T, C]`` (streams' dtype), not a view."""
-        ops = hc_ops(self.config.hc_implementation, streams, self.hc_fn, self.hc_base, self.hc_scale)
-        return ops.mhc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, eps=self.hc_eps, norm_eps=self.norm_eps)
+        config = vars(self.config)
+        ops = hc_ops(config["hc_implementation"], streams, self.hc_fn, self.hc_base, self.hc_scale)
+        return ops.mhc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, eps=config["hc_eps"],
+                            norm_eps=vars(config["backbone_config"])["rms_norm_eps"])
 
 
 class MHCDecoderLayer(GradientCheckpointingLayer):

@@ -1,7 +1,8 @@
 // hf-mhc's CPU decode kernels: one fused call per mHC site for a few tokens without autograd (greedy decoding).
 //
 // coeffs_pre: streams [T, n, C] -> y [T, C] (streams' dtype), post [T, n], comb [T, n, n] (float32; empty for the
-//   identity map). flat_n = flat * rsqrt(mean(flat^2) + norm_eps); mix = flat_n @ fn.T (one GEMM); then per token
+//   identity map). flat_n = flat * rsqrt(mean(flat^2) + norm_eps); mix = flat_n @ fn.T (dot products for up to kDotTokens
+//   tokens, one GEMM for more); then per token
 //   the residual map (0 sinkhorn, 1 unconstrained, 2 identity, 3 permutations) and y = sum_i pre[i] X[i].
 // head: streams [T, n, C] -> y [T, C], pre_h = sigmoid(hc_scale * mix + hc_base) + eps.
 // post_res: X'[i] = sum_j comb[j, i] X[j] + post[i] y (comb empty: X'[i] = X[i] + post[i] y), in float32, cast back.
@@ -12,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <cmath>
 #include <numeric>
 #include <vector>
@@ -65,34 +67,62 @@ std::vector<int64_t> permutations(int64_t n) {
   return all;
 }
 
-// flat_n [T, n*C] float32: the RMS-normalised flattened streams. The squares are summed in kLanes float32 partial
-// sums (which the compiler vectorises) added up in double.
+// The tensor itself where it is already float32 and contiguous (no operator call), else a float32 contiguous copy.
+at::Tensor float_contiguous(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
+}
+
+at::Tensor contiguous(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+
+// Sums of products in kLanes float32 partial sums, which the compiler vectorises, added up in double at the end.
 constexpr int64_t kLanes = 16;
 
+// Up to this many tokens the map logits are kLanes-wise dot products; more go to one GEMM (at::mm).
+constexpr int64_t kDotTokens = 8;
+
+inline float dot(const float* a, const float* b, int64_t size) {
+  float lanes[kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= size; k += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += a[k + l] * b[k + l];
+  double total = 0.0;
+  for (; k < size; ++k) total += static_cast<double>(a[k]) * b[k];
+  for (int64_t l = 0; l < kLanes; ++l) total += lanes[l];
+  return static_cast<float>(total);
+}
+
+// flat [T, width] float32 <- the RMS-normalised rows of x [T, width]: row * rsqrt(mean(row^2) + norm_eps).
 template <typename scalar_t>
-at::Tensor normalized_flat(const at::Tensor& x, double norm_eps) {
-  const int64_t tokens = x.size(0), width = x.size(1);
-  auto out = at::empty({tokens, width}, x.options().dtype(at::kFloat));
-  const scalar_t* src = x.data_ptr<scalar_t>();
-  float* dst = out.data_ptr<float>();
+void normalize_rows(const scalar_t* src, int64_t tokens, int64_t width, double norm_eps, float* dst) {
   at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const scalar_t* row = src + t * width;
       float* out_row = dst + t * width;
       for (int64_t k = 0; k < width; ++k) out_row[k] = static_cast<float>(row[k]);
-      float lanes[kLanes] = {};
-      int64_t k = 0;
-      for (; k + kLanes <= width; k += kLanes)
-        for (int64_t l = 0; l < kLanes; ++l) lanes[l] += out_row[k + l] * out_row[k + l];
-      double squares = 0.0;
-      for (; k < width; ++k) squares += static_cast<double>(out_row[k]) * out_row[k];
-      for (int64_t l = 0; l < kLanes; ++l) squares += lanes[l];
-      const float mean = static_cast<float>(squares / static_cast<double>(width));
+      const float mean = dot(out_row, out_row, width) / static_cast<float>(width);
       const float rstd = 1.0f / std::sqrt(mean + static_cast<float>(norm_eps));
-      for (k = 0; k < width; ++k) out_row[k] = out_row[k] * rstd;
+      for (int64_t k = 0; k < width; ++k) out_row[k] = out_row[k] * rstd;
     }
   });
-  return out;
+}
+
+// mix [T, m] = normalize_rows(x) @ fn.T for x [T, width] and a float32 contiguous fn [m, width].
+template <typename scalar_t>
+std::vector<float> map_logits(const scalar_t* x, int64_t tokens, int64_t width, const at::Tensor& fn,
+                              double norm_eps) {
+  const int64_t m = fn.size(0);
+  std::vector<float> flat(tokens * width), mix(tokens * m);
+  normalize_rows<scalar_t>(x, tokens, width, norm_eps, flat.data());
+  const float* w = fn.data_ptr<float>();
+  if (tokens <= kDotTokens) {
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t r = 0; r < m; ++r) mix[t * m + r] = dot(flat.data() + t * width, w + r * width, width);
+  } else {
+    const auto options = at::TensorOptions().dtype(at::kFloat);
+    auto out = at::from_blob(mix.data(), {tokens, m}, options);
+    at::mm_out(out, at::from_blob(flat.data(), {tokens, width}, options), fn.t());
+  }
+  return mix;
 }
 
 // acc[c] = sum_j w[j * stride] * X[j, c] over the n streams X [n, C], in stream order (contiguous inner loops).
@@ -123,9 +153,10 @@ void check_streams(const at::Tensor& streams, const char* op) {
               " needs float32, bfloat16 or float16 streams");
 }
 
-std::vector<int64_t> lead_shape(const at::Tensor& streams, int64_t last) {
+// The streams' leading (token) dims followed by `last`.
+std::vector<int64_t> lead_shape(const at::Tensor& streams, std::initializer_list<int64_t> last) {
   std::vector<int64_t> shape(streams.sizes().begin(), streams.sizes().end() - 2);
-  shape.push_back(last);
+  shape.insert(shape.end(), last);
   return shape;
 }
 
@@ -134,32 +165,33 @@ std::vector<at::Tensor> coeffs_pre(const at::Tensor& streams, const at::Tensor& 
                                    int64_t residual_map, double post_magnitude) {
   check_streams(streams, "mhc_coeffs_pre");
   const int64_t n = streams.size(-2), hidden = streams.size(-1);
-  const auto x = streams.reshape({-1, n * hidden}).contiguous();
-  const int64_t tokens = x.size(0);
+  const auto x = contiguous(streams);
+  const int64_t tokens = x.numel() / (n * hidden);
   const int64_t n_comb = residual_map == kIdentity ? 0 : (residual_map == kPermutations ? fn.size(0) - 2 * n : n * n);
   TORCH_CHECK(fn.size(0) == 2 * n + n_comb && fn.size(1) == n * hidden, "mhc_coeffs_pre: fn has the wrong shape");
-  const auto base32 = base.to(at::kFloat).contiguous();
-  const auto scale32 = scale.to(at::kFloat).contiguous();
+  const auto fn32 = float_contiguous(fn);
+  const auto base32 = float_contiguous(base);
+  const auto scale32 = float_contiguous(scale);
   const auto opts = x.options().dtype(at::kFloat);
-  auto y = at::empty({tokens, hidden}, x.options());
-  auto post = at::empty({tokens, n}, opts);
-  auto comb = residual_map == kIdentity ? at::empty({0}, opts) : at::empty({tokens, n, n}, opts);
-  auto pre = at::empty({tokens, n}, opts);
+  auto y = at::empty(lead_shape(streams, {hidden}), x.options());
+  auto post = at::empty(lead_shape(streams, {n}), opts);
+  auto comb = residual_map == kIdentity ? at::empty({0}, opts) : at::empty(lead_shape(streams, {n, n}), opts);
+  std::vector<float> pre(tokens * n);
   const std::vector<int64_t> perms = residual_map == kPermutations ? permutations(n) : std::vector<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mhc_coeffs_pre", [&] {
-    const auto mix = at::mm(normalized_flat<scalar_t>(x, norm_eps), fn.to(at::kFloat).t());
-    const int64_t m = mix.size(1);
-    const float* mix_ptr = mix.data_ptr<float>();
+    const scalar_t* xs = x.data_ptr<scalar_t>();
+    const std::vector<float> mix = map_logits<scalar_t>(xs, tokens, n * hidden, fn32, norm_eps);
+    const int64_t m = fn32.size(0);
     const float* b = base32.data_ptr<float>();
     const float* s = scale32.data_ptr<float>();
-    float* pre_ptr = pre.data_ptr<float>();
+    float* pre_ptr = pre.data();
     float* post_ptr = post.data_ptr<float>();
     float* comb_ptr = residual_map == kIdentity ? nullptr : comb.data_ptr<float>();
     const float e = static_cast<float>(eps), magnitude = static_cast<float>(post_magnitude);
     at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> weights(n_comb);
       for (int64_t t = begin; t < end; ++t) {
-        const float* w = mix_ptr + t * m;
+        const float* w = mix.data() + t * m;
         float* p = pre_ptr + t * n;
         float* q = post_ptr + t * n;
         if (residual_map == kUnconstrained) {
@@ -188,42 +220,39 @@ std::vector<at::Tensor> coeffs_pre(const at::Tensor& streams, const at::Tensor& 
         sinkhorn(c, n, iters, e);
       }
       std::vector<float> acc(hidden);
-      for (int64_t t = begin; t < end; ++t)
-        collapse<scalar_t>(x.data_ptr<scalar_t>(), pre_ptr, y.data_ptr<scalar_t>(), t, n, hidden, acc);
+      for (int64_t t = begin; t < end; ++t) collapse<scalar_t>(xs, pre_ptr, y.data_ptr<scalar_t>(), t, n, hidden, acc);
     });
   });
-  auto comb_shape = lead_shape(streams, n);
-  comb_shape.push_back(n);
-  return {y.view(lead_shape(streams, hidden)), post.view(lead_shape(streams, n)),
-          residual_map == kIdentity ? comb : comb.view(comb_shape)};
+  return {y, post, comb};
 }
 
 at::Tensor head(const at::Tensor& streams, const at::Tensor& hc_fn, const at::Tensor& hc_base,
                 const at::Tensor& hc_scale, double eps, double norm_eps) {
   check_streams(streams, "mhc_head");
   const int64_t n = streams.size(-2), hidden = streams.size(-1);
-  const auto x = streams.reshape({-1, n * hidden}).contiguous();
-  const int64_t tokens = x.size(0);
+  const auto x = contiguous(streams);
+  const int64_t tokens = x.numel() / (n * hidden);
   TORCH_CHECK(hc_fn.size(0) == n && hc_fn.size(1) == n * hidden, "mhc_head: hc_fn has the wrong shape");
-  const auto base32 = hc_base.to(at::kFloat).contiguous();
-  const float s = hc_scale.to(at::kFloat).item<float>();
-  auto y = at::empty({tokens, hidden}, x.options());
-  auto pre = at::empty({tokens, n}, x.options().dtype(at::kFloat));
+  const auto fn32 = float_contiguous(hc_fn);
+  const auto base32 = float_contiguous(hc_base);
+  const float s = float_contiguous(hc_scale).data_ptr<float>()[0];
+  auto y = at::empty(lead_shape(streams, {hidden}), x.options());
+  std::vector<float> pre(tokens * n);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mhc_head", [&] {
-    const auto mix = at::mm(normalized_flat<scalar_t>(x, norm_eps), hc_fn.to(at::kFloat).t());
-    const float* mix_ptr = mix.data_ptr<float>();
+    const scalar_t* xs = x.data_ptr<scalar_t>();
+    const std::vector<float> mix = map_logits<scalar_t>(xs, tokens, n * hidden, fn32, norm_eps);
     const float* b = base32.data_ptr<float>();
-    float* pre_ptr = pre.data_ptr<float>();
+    float* pre_ptr = pre.data();
     const float e = static_cast<float>(eps);
     at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(hidden);
       for (int64_t t = begin; t < end; ++t) {
-        for (int64_t i = 0; i < n; ++i) pre_ptr[t * n + i] = sigmoid(mix_ptr[t * n + i] * s + b[i]) + e;
-        collapse<scalar_t>(x.data_ptr<scalar_t>(), pre_ptr, y.data_ptr<scalar_t>(), t, n, hidden, acc);
+        for (int64_t i = 0; i < n; ++i) pre_ptr[t * n + i] = sigmoid(mix[t * n + i] * s + b[i]) + e;
+        collapse<scalar_t>(xs, pre_ptr, y.data_ptr<scalar_t>(), t, n, hidden, acc);
       }
     });
   });
-  return y.view(lead_shape(streams, hidden));
+  return y;
 }
 
 at::Tensor post_res(const at::Tensor& streams, const at::Tensor& y, const at::Tensor& post, const at::Tensor& comb,
@@ -231,12 +260,14 @@ at::Tensor post_res(const at::Tensor& streams, const at::Tensor& y, const at::Te
   check_streams(streams, "mhc_post_res");
   TORCH_CHECK(y.scalar_type() == streams.scalar_type(), "mhc_post_res: y needs the streams' dtype");
   const int64_t n = streams.size(-2), hidden = streams.size(-1);
-  const auto x = streams.reshape({-1, n, hidden}).contiguous();
-  const int64_t tokens = x.size(0);
-  const auto y2 = y.reshape({tokens, hidden}).contiguous();
-  const auto post32 = post.to(at::kFloat).reshape({tokens, n}).contiguous();
-  const auto comb32 = identity ? comb : comb.to(at::kFloat).reshape({tokens, n, n}).contiguous();
-  auto out = at::empty_like(x);
+  const auto x = contiguous(streams);
+  const int64_t tokens = x.numel() / (n * hidden);
+  TORCH_CHECK(y.numel() == tokens * hidden && post.numel() == tokens * n && (identity || comb.numel() == tokens * n * n),
+              "mhc_post_res: y, post or comb does not match the streams' tokens");
+  const auto y2 = contiguous(y);
+  const auto post32 = float_contiguous(post);
+  const auto comb32 = identity ? comb : float_contiguous(comb);
+  auto out = at::empty(streams.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mhc_post_res", [&] {
     const scalar_t* xs = x.data_ptr<scalar_t>();
     const scalar_t* ys = y2.data_ptr<scalar_t>();
@@ -261,7 +292,7 @@ at::Tensor post_res(const at::Tensor& streams, const at::Tensor& y, const at::Te
       }
     });
   });
-  return out.view(streams.sizes());
+  return out;
 }
 
 }  // namespace

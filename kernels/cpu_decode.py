@@ -2,11 +2,13 @@
 
 ``CPU_DECODE_OPS`` is what the dispatch table runs on CPU when no gradient is wanted: for CPU float32 / bfloat16 /
 float16 streams of at most ``MAX_TOKENS`` tokens (``takes_fast_path``) it calls the kernels of ``cpu_decode.cpp``
-instead of the eager torch kernels (``torch_backend``, which run every other call): ``coeffs_pre`` (``mix`` by one
-GEMM, the residual map, the ``pre`` collapse), ``post_res`` and ``head``, each one call with ``at::parallel_for`` over
-the tokens, giving the numbers of ``hf_mhc.mhc_reference`` to float32 rounding. Greedy decoding runs each site on
-one token per sequence, where the eager kernels' Python and operator dispatch (Sinkhorn alone is ``2·iters - 1``
-normalisations of three ops each) would cost more than the arithmetic.
+instead of the eager torch kernels (``torch_backend``, which run every other call): ``coeffs_pre`` (``mix`` by dot
+products, or one GEMM past a few tokens, the residual map, the ``pre`` collapse), ``post_res`` and ``head``, each
+one call with ``at::parallel_for`` over the tokens, giving the numbers of ``hf_mhc.mhc_reference`` to float32
+rounding. Greedy decoding runs each site on one token per sequence, where the eager kernels' Python and operator
+dispatch (Sinkhorn alone is ``2·iters - 1`` normalisations of three ops each) would cost more than the arithmetic;
+the kernels themselves call no ATen operator for one token beyond allocating their outputs, since every operator
+call runs code that the sublayer's weight reads have pushed out of the CPU's caches.
 
 Under ``torch.compile`` (``generate`` with a static cache and a compile config) the same kernels run as the custom
 ops ``hf_mhc::cpu_decode_coeffs_pre`` / ``_post_res`` / ``_head`` (shapes for tracing, the C++ call at run time).
@@ -226,15 +228,14 @@ def takes_fast_path(streams: torch.Tensor, *tensors: torch.Tensor) -> bool:
     bfloat16 / float16 tensors with at most ``MAX_TOKENS`` tokens, no gradient wanted (grad mode off, or no input
     requires grad), plain tensors (no ``DTensor``), the switch on and the kernels built. Under ``torch.compile`` the
     traced tensors stand for plain ones, and the custom ops read the switch and the build when they run."""
+    if not streams.is_cpu or streams.dtype not in FAST_DTYPES or not 0 < math.prod(streams.shape[:-2]) <= MAX_TOKENS:
+        return False
+    grad = torch.is_grad_enabled()
     compiling = torch.compiler.is_compiling()
-    return (
-        streams.device.type == "cpu"
-        and streams.dtype in FAST_DTYPES
-        and 0 < math.prod(streams.shape[:-2]) <= MAX_TOKENS
-        and (compiling or all(type(t) in PLAIN_TENSORS for t in (streams, *tensors)))
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (streams, *tensors)))
-        and (compiling or available())
-    )
+    for tensor in (streams, *tensors):
+        if (grad and tensor.requires_grad) or not (compiling or type(tensor) in PLAIN_TENSORS):
+            return False
+    return compiling or available()
 
 
 def _token_shape(streams: torch.Tensor, *last: int) -> list[int]:
@@ -290,35 +291,30 @@ def _(streams, hc_fn, hc_base, hc_scale, eps, norm_eps):
     return streams.new_empty(_token_shape(streams, streams.shape[-1]))
 
 
-def _autocast_off() -> torch.autocast:
-    """The kernels compute in the tensors' own dtypes, like the torch path (which turns autocast off for the HC math):
-    under CPU autocast (e.g. ``Trainer.evaluate`` with bf16 on CPU) the aten ops they call would otherwise return
-    bfloat16 where they expect float32."""
-    return torch.autocast("cpu", enabled=False)
+def _run(kernel: str, *args):
+    """Call the C++ ``kernel`` in the tensors' own dtypes, like the torch path (which turns autocast off for the HC
+    math): under CPU autocast (e.g. ``Trainer.evaluate`` with bf16 on CPU) the aten ops it calls would otherwise
+    return bfloat16 where it expects float32. The autocast state is checked first: entering a context costs more
+    than the kernel's arithmetic for one token."""
+    if torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return getattr(extension(), kernel)(*args)
+    return getattr(extension(), kernel)(*args)
 
 
 def coeffs_pre(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, post, comb)`` of ``cpu_decode.cpp``'s ``coeffs_pre`` (its arguments); the custom op under compile."""
-    if torch.compiler.is_compiling():
-        return _coeffs_pre_op(*args)
-    with _autocast_off():
-        return extension().coeffs_pre(*args)
+    return _coeffs_pre_op(*args) if torch.compiler.is_compiling() else _run("coeffs_pre", *args)
 
 
 def post_res(*args) -> torch.Tensor:
     """The new streams of ``cpu_decode.cpp``'s ``post_res`` (its arguments); the custom op under compile."""
-    if torch.compiler.is_compiling():
-        return _post_res_op(*args)
-    with _autocast_off():
-        return extension().post_res(*args)
+    return _post_res_op(*args) if torch.compiler.is_compiling() else _run("post_res", *args)
 
 
 def head(*args) -> torch.Tensor:
     """``y`` of ``cpu_decode.cpp``'s ``head`` (its arguments); the custom op under compile."""
-    if torch.compiler.is_compiling():
-        return _head_op(*args)
-    with _autocast_off():
-        return extension().head(*args)
+    return _head_op(*args) if torch.compiler.is_compiling() else _run("head", *args)
 
 
 class CPUDecodeOps:

@@ -69,8 +69,10 @@ def mhc_ops(implementation: str, streams: torch.Tensor, *weights: torch.Tensor):
     ``ValueError`` in one line for an unknown implementation, and for ``"triton"`` on tensors Triton cannot run on
     (CPU tensors without ``TRITON_INTERPRET=1``, other devices)."""
     grad = torch.is_grad_enabled() and (streams.requires_grad or any(w.requires_grad for w in weights))
-    kind = streams.device.type if streams.device.type in DEVICE_KINDS else "other"
-    name = MHC_OPS.get((implementation, kind, grad))
+    kind = streams.device.type
+    name = MHC_OPS.get((implementation, kind if kind in DEVICE_KINDS else "other", grad))
+    if name is not None and name != "triton":
+        return OP_SETS[name]
     if name is None and implementation not in HC_IMPLEMENTATIONS:
         raise ValueError(f"Unknown hc_implementation {implementation!r}; available: {', '.join(HC_IMPLEMENTATIONS)}.")
     if name is None or (name == "triton" and kind == "cpu" and not interpreting()):
