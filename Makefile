@@ -61,10 +61,11 @@ demo: $(STAMP)
 
 # pytest and ruff run from the venv, not `python -m`, which would put the repo root on sys.path
 # and let the top-level kernels/ folder shadow the `kernels` package that transformers imports.
+# --durations=30 lists the slowest tests at the end of the log: where the suite's time goes on CI's machine.
 test: $(STAMP) $(DEEPSPEED_STAMP) $(QUANT_STAMP)
 	$(VENV)/bin/ruff check .
 	$(MAKE) docs
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=30
 
 # The documentation site (docs/, mkdocs.yml) into site/; --strict fails on any warning (a broken link or anchor, a
 # docstring mkdocstrings cannot read). NO_MKDOCS_2_WARNING silences mkdocs-material's banner about MkDocs 2.0.
