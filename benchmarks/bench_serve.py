@@ -1,20 +1,21 @@
 """Serving throughput and latency of an upcycled mHC model against its residual source, through the same server.
 
 A random Llama (``--hidden`` C, ``--layers`` layers, heads of 64, a quarter as many KV heads, ``8C/3`` MLP width
-rounded to 64) with stories260K's tokenizer (``../shared/assets/stories260K``, 512 tokens) and its mHC upcycle
-(``hc_mult=4``) are saved with no end-of-sequence token (every answer is ``--new-tokens`` long) and each served by
-``hf-mhc serve`` (transformers' server; ``--modes``: sequential generation and/or ``--continuous-batching``), the two
-servers side by side, on ``--threads`` threads each. For each concurrency (``--concurrency``, default 1, 4 and 16)
-and repeat, ``concurrency`` clients of the ``openai`` package send ``--requests-per-client`` greedy completions of a
+rounded to 64) with stories260K's tokenizer (``../shared/assets/stories260K``, 512 tokens), or the residual causal
+LM of ``--model FOLDER`` with its own tokenizer (float32), and its mHC upcycle (``hc_mult=4``) are saved with no
+end-of-sequence token (every answer is ``--new-tokens`` long) and each served by ``hf-mhc serve`` (transformers'
+server; ``--modes``: sequential generation and/or ``--continuous-batching``), the two servers side by side, on
+``--threads`` threads each. For each concurrency (``--concurrency``, default 1, 4 and 16) and repeat,
+``concurrency`` clients of the ``openai`` package send ``--requests-per-client`` greedy completions of a
 ``--prompt``-token prompt each, to the residual server, then the mHC one, then the residual one... alternating within
 the repeat so that a slow moment of a shared machine hits both. Reported per mode and concurrency: generated tokens
 per second (all requests' tokens over the wall time of the burst) of each, the median, minimum and maximum of the
 per-repeat mHC / residual ratios, and the p50 and p99 of the request latencies of all repeats (p99 is the largest
 of fewer than 100 requests)::
 
-    .venv/bin/python benchmarks/bench_serve.py [--hidden 512] [--layers 8] [--modes sequential continuous-batching]
-        [--concurrency 1 4 16] [--requests-per-client 2] [--new-tokens 32] [--prompt 16] [--repeats 3] [--threads 1]
-        [--json PATH]
+    .venv/bin/python benchmarks/bench_serve.py [--model FOLDER | --hidden 512 --layers 8]
+        [--modes sequential continuous-batching] [--concurrency 1 4 16] [--requests-per-client 2]
+        [--new-tokens 32] [--prompt 16] [--repeats 3] [--threads 1] [--json PATH]
 
 Prints each case and repeat to stderr as it goes, then the table; the results are written as JSON only with ``--json``.
 """
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 from benchlib import add_json_argument, load_average_line, progress, report
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import hf_mhc
 
@@ -46,16 +47,21 @@ STARTUP_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 600
 
 
-def save_models(folder: Path, hidden: int, layers: int) -> dict[str, Path]:
-    """The random Llama and its mHC upcycle, saved under ``folder`` with stories260K's tokenizer and no
-    end-of-sequence token; their folders by name (``residual``, ``mhc``)."""
-    tokenizer = AutoTokenizer.from_pretrained(STORIES260K)
-    torch.manual_seed(0)
-    heads = max(1, hidden // 64)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
-                         intermediate_size=(8 * hidden // 3 + 63) // 64 * 64, num_attention_heads=heads,
-                         num_key_value_heads=max(1, heads // 4), max_position_embeddings=2048, eos_token_id=None)
-    source = LlamaForCausalLM(config).eval()
+def save_models(folder: Path, hidden: int, layers: int, model: Path | None = None) -> dict[str, Path]:
+    """The residual model (the folder ``model``, loaded in float32; else a random Llama with stories260K's tokenizer)
+    and its mHC upcycle, saved under ``folder`` with their tokenizer and no end-of-sequence token; their folders by
+    name (``residual``, ``mhc``)."""
+    if model is not None:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        source = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(STORIES260K)
+        torch.manual_seed(0)
+        heads = max(1, hidden // 64)
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+                             intermediate_size=(8 * hidden // 3 + 63) // 64 * 64, num_attention_heads=heads,
+                             num_key_value_heads=max(1, heads // 4), max_position_embeddings=2048, eos_token_id=None)
+        source = LlamaForCausalLM(config).eval()
     models = {"residual": source, "mhc": hf_mhc.upcycle(copy.deepcopy(source), hc_mult=4)}
     folders = {}
     for name, model in models.items():
@@ -160,6 +166,9 @@ def measure(urls: dict[str, str], folders: dict[str, Path], prompt: str, concurr
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, metavar="FOLDER",
+                        help="a residual causal LM folder to serve against its upcycle (e.g. the one make real-model "
+                             "builds) instead of a random Llama; --hidden and --layers are then unused")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size C (a multiple of 64)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
@@ -171,6 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each server")
     add_json_argument(parser)
     args = parser.parse_args(argv)
+    if args.model is not None and not (args.model / "config.json").is_file():
+        parser.error(f"--model: no config.json in {args.model}")
     if args.hidden < 64 or args.hidden % 64:
         parser.error("--hidden must be a positive multiple of 64 (heads of 64)")
     if min(args.concurrency + [args.layers, args.requests_per_client, args.new_tokens, args.prompt, args.repeats,
@@ -182,12 +193,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if not STORIES260K.is_dir():
+    if args.model is None and not STORIES260K.is_dir():
         raise SystemExit(f"bench_serve.py: error: the servers use stories260K's tokenizer: no folder {STORIES260K}")
-    results = {"hidden": args.hidden, "layers": args.layers, "hc_mult": 4, "new_tokens": args.new_tokens,
+    served = (f"{args.model.name}" if args.model is not None
+              else f"random Llama C={args.hidden}, {args.layers} layers,")
+    results = {"model": None if args.model is None else str(args.model), "hidden": args.hidden, "layers": args.layers,
+               "hc_mult": 4, "new_tokens": args.new_tokens,
                "prompt": args.prompt, "requests_per_client": args.requests_per_client, "repeats": args.repeats,
                "server_threads": args.threads, "load_average_before": os.getloadavg()[0], "cases": []}
-    lines = [f"hf-mhc serve, random Llama C={args.hidden}, {args.layers} layers, against its mHC upcycle (hc_mult 4); "
+    lines = [f"hf-mhc serve, {served} against its mHC upcycle (hc_mult 4); "
              f"{args.new_tokens} greedy tokens after {args.prompt} prompt tokens, {args.requests_per_client} requests "
              f"per client, {args.threads} thread(s) per server; tokens/s median of {args.repeats} repeats, latency "
              "p50 / p99 of all requests (s)",
@@ -196,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     with tempfile.TemporaryDirectory() as scratch:
         progress("saving the models")
-        folders = save_models(Path(scratch), args.hidden, args.layers)
+        folders = save_models(Path(scratch), args.hidden, args.layers, args.model)
         tokenizer = AutoTokenizer.from_pretrained(folders["residual"])
         words = "Once upon a time there was a little girl who loved to play in the park with her friends".split()
         prompt = " ".join(words * args.prompt)

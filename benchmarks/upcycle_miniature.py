@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/upcycle_miniature.py [--source PATH_OR_HUB_ID|pretrained ...] \
         [--pretrain-layers 12] [--pretrain-hidden 64] [--pretrain-steps 200] [--dataset GLOB] [--steps 100] \
         [--lr 1e-3] [--hc-lr LR] [--seeds 3] [--variants residual,sinkhorn,...] [--hc-mult 4] \
-        [--json PATH] [--plot PATH.png]
+        [--chat PROMPT] [--json PATH] [--plot PATH.png]
 
 For each source and each of ``--seeds`` seeds (``--seed``, ``--seed + 1``, ...: the order of the batches, and the
 naive arm's HC initialisation), these arms train on the same batches, side by side (one step of each in turn,
@@ -31,7 +31,8 @@ norm, composite gains and training time every ``--log-every`` steps. The summary
 held-out loss, its difference to the residual arm of the same seed, the tokens-per-second ratio to that arm, the
 held-out loss reached within the residual arm's training time (equal compute: the last logged point within that
 time), the step-0 held-out loss and its relative difference to the source's, and the trainable parameters. Progress
-goes to stderr, the tables to stdout, the results to ``--json PATH`` (``sources[NAME]["runs"][arm][seed]``,
+goes to stderr, the tables to stdout (with ``--chat PROMPT``, also the source's and each arm's greedy answer after
+training on the first seed), the results to ``--json PATH`` (``sources[NAME]["runs"][arm][seed]``,
 ``sources[NAME]["summary"][arm]``) and the figure to ``--plot PATH.png``.
 """
 
@@ -109,6 +110,24 @@ def build_arms(source: torch.nn.Module, arms: list[str], hc_mult: int, seed: int
         else:
             models[arm] = hf_mhc.upcycle(source, hc_mult=hc_mult, hc_residual_map=arm)
     return models
+
+
+def chat_answers(models: dict[str, torch.nn.Module], tokenizer_source: str, prompt: str,
+                 new_tokens: int) -> dict[str, str]:
+    """Each model's greedy answer (``new_tokens`` at most) to ``prompt``, through the tokenizer's chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    answers = {}
+    for name, model in models.items():
+        model.eval()
+        with torch.no_grad():
+            output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                    do_sample=False)
+        answers[name] = tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    return answers
 
 
 def pretrain_source(args: argparse.Namespace, data: dict[str, torch.Tensor], vocab_size: int,
@@ -238,6 +257,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--chat", metavar="PROMPT", default=None,
+                        help="after training, each arm of the first seed (and the source) answers PROMPT greedily "
+                             "through the source's chat template (a --source whose tokenizer has one)")
+    parser.add_argument("--chat-tokens", type=int, default=32, help="the longest --chat answer, in tokens")
     parser.add_argument("--plot", type=Path, metavar="PATH.png", default=None,
                         help="write the figure (held-out loss against step and time, composite gain) to PATH.png")
     add_json_argument(parser)
@@ -268,6 +291,19 @@ def check_args(args: argparse.Namespace) -> list[str]:
         raise UsageError(f"--variants: unknown arm {', '.join(unknown) or '(none given)'}; the arms are "
                          f"{', '.join(ARMS)}")
     check_streams("--hc-mult", args.hc_mult, arms)
+    if args.chat is not None:
+        if args.chat_tokens < 1:
+            raise UsageError(f"--chat-tokens must be >= 1, got {args.chat_tokens}")
+        from transformers import AutoTokenizer
+
+        for source in args.source:
+            try:
+                template = source != PRETRAINED and AutoTokenizer.from_pretrained(source).chat_template
+            except (OSError, ValueError) as error:
+                raise UsageError(f"--chat: cannot load the tokenizer of {source}: {str(error).splitlines()[0]}"
+                                 ) from None
+            if not template:
+                raise UsageError(f"--chat: the source {source} has no tokenizer with a chat template")
     return arms
 
 
@@ -297,8 +333,15 @@ def main(argv: list[str] | None = None) -> None:
         progress(f"{name}: {info['train_tokens']} training / {info['heldout_tokens']} held-out tokens of {corpus}; "
                  f"held-out loss {source_loss:.4f}; arms {', '.join(arms)}; seeds {', '.join(map(str, seeds))}; "
                  f"{torch.get_num_threads()} CPU threads")
-        by_seed = {seed: train_arms(build_arms(source, arms, args.hc_mult, seed), data, schedule, seed,
-                                    f"{name}: seed {seed}") for seed in seeds}
+        by_seed, chat = {}, None
+        for seed in seeds:
+            models = build_arms(source, arms, args.hc_mult, seed)
+            by_seed[seed] = train_arms(models, data, schedule, seed, f"{name}: seed {seed}")
+            if args.chat is not None and seed == seeds[0]:
+                progress(f"{name}: seed {seed}: chat answers")
+                answers = chat_answers({"source": source, **models}, info["source"], args.chat, args.chat_tokens)
+                chat = {"prompt": args.chat, "seed": seed, "answers": answers}
+            del models
         runs = {arm: {str(seed): by_seed[seed][arm] for seed in seeds} for arm in arms}
         summary = summarize(runs)
         for arm, row in summary.items():
@@ -306,6 +349,11 @@ def main(argv: list[str] | None = None) -> None:
             row["start_heldout_loss"] = starts
             row["start_relative_difference"] = max(abs(start - source_loss) / abs(source_loss) for start in starts)
         results["sources"][name] = {**info, "source_heldout_loss": source_loss, "runs": runs, "summary": summary}
+        if chat is not None:
+            results["sources"][name]["chat"] = chat
+            tables.append("\n".join([f"\n{name}: greedy answers to {args.chat!r} after training (seed {chat['seed']}):",
+                                      "| model | answer |", "| --- | --- |",
+                                      *(f"| {model} | {answer!r} |" for model, answer in chat["answers"].items())]))
         tables.append(summary_table(summary, f"\n{name}: final held-out loss after {args.steps} steps over "
                                              f"{len(seeds)} seeds (source's {source_loss:.3f}):"))
         tables.append(start_table(summary, source_loss))

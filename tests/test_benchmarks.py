@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import EXAMPLES, JANEAUSTEN, STORIES260K, import_script, tiny_backbone_config
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -448,3 +449,48 @@ def test_bench_real_model_names_a_missing_model_in_one_line(load, tmp_path, monk
         module.main(["--only", "convert"])
     with pytest.raises(SystemExit, match=r"^bench_real_model.py: error: --model: no config.json in "):
         module.main(["--model", str(tmp_path), "--only", "convert"])
+
+
+def test_bench_serve_takes_a_model_folder(load, tmp_path, capsys):
+    """``--model FOLDER``: that model and its upcycle are saved with its own tokenizer and no end-of-sequence token (the
+    servers then generate exactly ``--new-tokens``); a folder without ``config.json`` is refused in one line."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    module = load("bench_serve")
+    source = save_tiny_chat_llama(tmp_path / "tiny-llama")
+    folders = module.save_models(tmp_path / "saved", 64, 1, source)
+    assert AutoConfig.from_pretrained(folders["residual"]).model_type == "llama"
+    assert AutoConfig.from_pretrained(folders["mhc"]).model_type == "mhc"
+    for folder in folders.values():
+        assert GenerationConfig.from_pretrained(folder).eos_token_id is None
+        assert (folder / "tokenizer_config.json").is_file() and (folder / "chat_template.jinja").is_file()
+    residual = AutoModelForCausalLM.from_pretrained(folders["residual"])
+    original = AutoModelForCausalLM.from_pretrained(source)
+    assert all(torch.equal(a, b) for a, b in zip(residual.state_dict().values(), original.state_dict().values(),
+                                                 strict=True))
+    with pytest.raises(SystemExit):
+        module.parse_args(["--model", str(tmp_path / "saved")])
+    assert "--model: no config.json in " in capsys.readouterr().err
+
+
+def test_upcycle_miniature_chat_answers_after_training(load, tmp_path, capsys):
+    """``--chat PROMPT``: the source (untrained) and each arm of the first seed answer greedily through the chat
+    template; an untrained function-preserving arm answers as the source does, token for token. A source without a
+    chat template is refused in one line before anything trains."""
+    module = load("upcycle_miniature")
+    source = save_tiny_chat_llama(tmp_path / "tiny-llama")
+    (tmp_path / "emma.txt").write_text("It was a truth universally acknowledged. " * 400)
+    common = ["--source", str(source), "--dataset", str(tmp_path / "emma.txt"), "--steps", "1", "--seeds", "2",
+              "--batch-size", "2", "--block-size", "16", "--log-every", "1", "--variants", "residual,sinkhorn,naive",
+              "--chat", "hello", "--chat-tokens", "6", "--json", str(tmp_path / "run.json")]
+    module.main([*common, "--lr", "1e-12", "--hc-lr", "1e-12"])  # training that changes no greedy token
+    chat = json.loads((tmp_path / "run.json").read_text())["sources"]["tiny-llama"]["chat"]
+    assert chat["prompt"] == "hello" and chat["seed"] == 0
+    answers = chat["answers"]
+    assert list(answers) == ["source", "residual", "sinkhorn", "naive"]
+    assert answers["source"] and answers["residual"] == answers["sinkhorn"] == answers["source"]
+    assert "| sinkhorn |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        module.main(["--source", "pretrained", "--chat", "hello"])
+    assert capsys.readouterr().err.strip() == ("upcycle_miniature.py: error: --chat: the source pretrained has no "
+                                               "tokenizer with a chat template")
