@@ -1,9 +1,9 @@
 // hf-mhc's CPU decode kernels: one fused call per mHC site for a few tokens without autograd (greedy decoding).
 //
 // coeffs_pre: streams [T, n, C] -> y [T, C] (streams' dtype), post [T, n], comb [T, n, n] (float32; empty for the
-//   identity map). flat_n = flat * rsqrt(mean(flat^2) + norm_eps); mix = flat_n @ fn.T (dot products for up to kDotTokens
-//   tokens, one GEMM for more); then per token
-//   the residual map (0 sinkhorn, 1 unconstrained, 2 identity, 3 permutations) and y = sum_i pre[i] X[i].
+//   identity map). flat_n = flat * rsqrt(mean(flat^2) + norm_eps); mix = flat_n @ fn.T (dot products for up to
+//   kDotTokens tokens, one GEMM for more); then per token the residual map (0 sinkhorn, 1 unconstrained,
+//   2 identity, 3 permutations) and y = sum_i pre[i] X[i].
 // head: streams [T, n, C] -> y [T, C], pre_h = sigmoid(hc_scale * mix + hc_base) + eps.
 // post_res: X'[i] = sum_j comb[j, i] X[j] + post[i] y (comb empty: X'[i] = X[i] + post[i] y), in float32, cast back.
 // The formulas and their order of operations are those of hf_mhc/mhc_reference.py.
@@ -13,8 +13,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <initializer_list>
 #include <cmath>
+#include <initializer_list>
 #include <numeric>
 #include <vector>
 
@@ -72,12 +72,10 @@ at::Tensor float_contiguous(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
 }
 
-at::Tensor contiguous(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
-
 // Sums of products in kLanes float32 partial sums, which the compiler vectorises, added up in double at the end.
 constexpr int64_t kLanes = 16;
 
-// Up to this many tokens the map logits are kLanes-wise dot products; more go to one GEMM (at::mm).
+// Up to this many tokens the map logits are kLanes-wise dot products; more go to one GEMM (at::mm_out).
 constexpr int64_t kDotTokens = 8;
 
 inline float dot(const float* a, const float* b, int64_t size) {
@@ -165,7 +163,7 @@ std::vector<at::Tensor> coeffs_pre(const at::Tensor& streams, const at::Tensor& 
                                    int64_t residual_map, double post_magnitude) {
   check_streams(streams, "mhc_coeffs_pre");
   const int64_t n = streams.size(-2), hidden = streams.size(-1);
-  const auto x = contiguous(streams);
+  const auto x = streams.contiguous();
   const int64_t tokens = x.numel() / (n * hidden);
   const int64_t n_comb = residual_map == kIdentity ? 0 : (residual_map == kPermutations ? fn.size(0) - 2 * n : n * n);
   TORCH_CHECK(fn.size(0) == 2 * n + n_comb && fn.size(1) == n * hidden, "mhc_coeffs_pre: fn has the wrong shape");
@@ -230,7 +228,7 @@ at::Tensor head(const at::Tensor& streams, const at::Tensor& hc_fn, const at::Te
                 const at::Tensor& hc_scale, double eps, double norm_eps) {
   check_streams(streams, "mhc_head");
   const int64_t n = streams.size(-2), hidden = streams.size(-1);
-  const auto x = contiguous(streams);
+  const auto x = streams.contiguous();
   const int64_t tokens = x.numel() / (n * hidden);
   TORCH_CHECK(hc_fn.size(0) == n && hc_fn.size(1) == n * hidden, "mhc_head: hc_fn has the wrong shape");
   const auto fn32 = float_contiguous(hc_fn);
@@ -260,11 +258,11 @@ at::Tensor post_res(const at::Tensor& streams, const at::Tensor& y, const at::Te
   check_streams(streams, "mhc_post_res");
   TORCH_CHECK(y.scalar_type() == streams.scalar_type(), "mhc_post_res: y needs the streams' dtype");
   const int64_t n = streams.size(-2), hidden = streams.size(-1);
-  const auto x = contiguous(streams);
+  const auto x = streams.contiguous();
   const int64_t tokens = x.numel() / (n * hidden);
   TORCH_CHECK(y.numel() == tokens * hidden && post.numel() == tokens * n && (identity || comb.numel() == tokens * n * n),
               "mhc_post_res: y, post or comb does not match the streams' tokens");
-  const auto y2 = contiguous(y);
+  const auto y2 = y.contiguous();
   const auto post32 = float_contiguous(post);
   const auto comb32 = identity ? comb : float_contiguous(comb);
   auto out = at::empty(streams.sizes(), x.options());
