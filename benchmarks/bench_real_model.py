@@ -4,7 +4,7 @@ side by side in one run: decoding speed, training-step time, bytes held for back
 
     .venv/bin/python benchmarks/bench_real_model.py [--model FOLDER] [--only decode train memory convert]
         [--threads N] [--repeats 5] [--new-tokens 48] [--static] [--batch 2] [--tokens 128]
-        [--dtypes float32 bfloat16] [--convert-repeats 3] [--json PATH]
+        [--dtypes float32 bfloat16] [--profile] [--convert-repeats 3] [--json PATH]
 
 ``--model``: any folder of a residual causal LM that ``hf_mhc.upcycle`` takes (default: the folder ``make real-model``
 built, ``tools/real_model.py``'s ``real_model_folder()``), loaded in float32. ``--threads``: torch's threads and
@@ -28,7 +28,9 @@ built, ``tools/real_model.py``'s ``real_model_folder()``), loaded in float32. ``
   in each of ``--dtypes``: ``float32``, and ``bfloat16`` as ``torch.autocast("cpu", dtype=torch.bfloat16)`` around
   the forward (float32 weights and optimizer). One warm-up step each, then ``--repeats`` repeats, the three
   alternating within each: the median step time of each and its ratio to the residual model's median, with the
-  minimum and maximum of the per-repeat ratios.
+  minimum and maximum of the per-repeat ratios. With ``--profile``, one more step of each under ``torch.profiler``
+  says where a step's time goes: hf-mhc's ops (``hf_mhc::*``, forward and backward, inclusive), the AdamW step, the
+  matrix products (``aten::mm`` / ``addmm`` / ``bmm``, outside hf-mhc's ops), and the rest.
 - ``convert``: ``hf-mhc convert FOLDER OUT`` (it verifies the result: logits and greedy decoding) and ``hf-mhc
   convert --no-verify`` against ``shutil.copytree`` of the folder, each in a child process (wall time and peak RSS:
   ``bench_convert.measure``), alternating, ``--convert-repeats`` times (default 3); medians and the ratios to the
@@ -61,6 +63,7 @@ from bench_convert import HF_MHC_SCRIPT, measure
 from bench_generate import static_compile_options, timed_generate
 from bench_training_step import recomputing
 from benchlib import add_json_argument, load_average_line, progress, report
+from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_mhc
@@ -74,6 +77,7 @@ PROMPT = "What is the capital of France?"
 COPY_CODE = "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2])"
 TRAINING_CASES = ("residual", "mhc", "mhc + hc_recompute")  # the names hf-mhc plan gives them too
 CONVERT_COMMANDS = ("copy", "convert", "convert --no-verify")
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
 def real_model_folder() -> Path:
@@ -242,7 +246,37 @@ def train(source, mhc, args: argparse.Namespace) -> dict:
         for name, times in samples.items():
             rows.append({"dtype": dtype, "case": name, "median_ms": 1e3 * statistics.median(times),
                          **ratio_spread(times, samples["residual"])})
+            if args.profile:
+                progress(f"{label}: profiled step of {name}")
+                rows[-1]["profile_ms"] = profiled_step(runs[name])
     return {"batch": args.batch, "tokens": args.tokens, "optimizer": "AdamW", "rows": rows}
+
+
+def is_mhc_op(event) -> bool:
+    return event.name.startswith("hf_mhc::")
+
+
+def under_mhc_op(event) -> bool:
+    """Whether a profiler event ran inside one of hf-mhc's ops."""
+    parent = event.cpu_parent
+    while parent is not None and not is_mhc_op(parent):
+        parent = parent.cpu_parent
+    return parent is not None
+
+
+def profiled_step(run: Callable[[], float]) -> dict[str, float]:
+    """Milliseconds of one training step under ``torch.profiler``, split into hf-mhc's ops (every ``hf_mhc::`` op,
+    forward and backward, with what it calls), the optimizer's step, the matrix products outside hf-mhc's ops, and the
+    rest."""
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        step_ms = 1e3 * run()
+    events = profiler.events()
+    mhc_ops = sum(event.cpu_time_total for event in events if is_mhc_op(event) and not under_mhc_op(event)) / 1e3
+    optimizer = sum(event.cpu_time_total for event in events if event.name.startswith("Optimizer.step#")) / 1e3
+    matmuls = sum(event.self_cpu_time_total for event in events
+                  if event.name in MATMULS and not under_mhc_op(event)) / 1e3
+    return {"step": step_ms, "hf_mhc_ops": mhc_ops, "optimizer": optimizer, "matmuls": matmuls,
+            "rest": step_ms - mhc_ops - optimizer - matmuls}
 
 
 def train_table(section: dict, args: argparse.Namespace) -> list[str]:
@@ -255,6 +289,16 @@ def train_table(section: dict, args: argparse.Namespace) -> list[str]:
         precision = "bfloat16 autocast" if row["dtype"] == "bfloat16" else row["dtype"]
         lines.append(f"| {precision} | {row['case']} | {row['median_ms']:.0f} | {row['ratio_of_medians']:.3f} "
                      f"({row['ratio_min']:.3f}-{row['ratio_max']:.3f}) |")
+    profiled = [row for row in section["rows"] if "profile_ms" in row]
+    if profiled:
+        parts = ("step", "hf_mhc_ops", "optimizer", "matmuls", "rest")
+        lines += ["", "one more step of each under torch.profiler, ms: hf-mhc's ops (forward and backward, inclusive), "
+                  "the AdamW step, matrix products outside hf-mhc's ops, the rest",
+                  "| precision | model | " + " | ".join(parts) + " |", "| --- | --- |" + " ---: |" * len(parts)]
+        for row in profiled:
+            precision = "bfloat16 autocast" if row["dtype"] == "bfloat16" else row["dtype"]
+            lines.append(f"| {precision} | {row['case']} | "
+                         + " | ".join(f"{row['profile_ms'][part]:.0f}" for part in parts) + " |")
     return lines
 
 
@@ -314,6 +358,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=128, help="tokens per sequence of memory and train (default 128)")
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"],
                         help="train in float32 and/or under bfloat16 autocast (default both)")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more training step of each model under torch.profiler: where its time goes")
     parser.add_argument("--convert-repeats", type=int, default=3, help="repeats of convert (default 3)")
     add_json_argument(parser)
     args = parser.parse_args(argv)

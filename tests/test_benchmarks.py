@@ -441,6 +441,35 @@ def test_bench_real_model_measures_every_section_and_the_two_models_answer_alike
     assert [row["phase"] for row in results["rss"]] == ["loading both models", "decode", "memory", "train"]
 
 
+def test_bench_real_model_profile_splits_a_step_between_mhc_ops_optimizer_and_matmuls(load, tmp_path, monkeypatch,
+                                                                                         capsys, one_thread):
+    """``--profile``: the residual model runs none of hf-mhc's ops, the mHC model does; the parts add up to the step,
+    and a matrix product inside an hf-mhc op counts as the op's, not twice."""
+    folder = save_tiny_chat_llama(tmp_path / "tiny-llama")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    module = load("bench_real_model")
+    results = module.main(["--model", str(folder), "--only", "train", "--dtypes", "float32", "--repeats", "1",
+                           "--tokens", "8", "--threads", "1", "--profile"])
+    out, err = capsys.readouterr()
+    assert "train, float32: profiled step of mhc + hc_recompute" in err and "one more step of each" in out
+    profiles = {row["case"]: row["profile_ms"] for row in results["train"]["rows"]}
+    assert profiles["residual"]["hf_mhc_ops"] == 0 < profiles["mhc"]["hf_mhc_ops"]
+    for parts in profiles.values():
+        assert parts["optimizer"] > 0 and parts["matmuls"] > 0
+        assert parts["step"] == pytest.approx(sum(value for part, value in parts.items() if part != "step"))
+        assert parts["hf_mhc_ops"] + parts["optimizer"] + parts["matmuls"] <= parts["step"]
+
+    from transformers import AutoModelForCausalLM
+
+    import hf_mhc
+
+    mhc = hf_mhc.upcycle(AutoModelForCausalLM.from_pretrained(folder), hc_mult=4)
+    with torch.profiler.profile() as profiler:
+        mhc(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    placed = {module.under_mhc_op(event) for event in profiler.events() if event.name in module.MATMULS}
+    assert placed == {True, False}  # the mHC maps' products inside hf-mhc's ops, the backbone's outside
+
+
 def test_bench_real_model_names_a_missing_model_in_one_line(load, tmp_path, monkeypatch):
     module = load("bench_real_model")
     monkeypatch.setenv("HF_MHC_REAL_MODEL", str(tmp_path / "missing"))
