@@ -61,11 +61,16 @@ demo: $(STAMP)
 
 # pytest and ruff run from the venv, not `python -m`, which would put the repo root on sys.path
 # and let the top-level kernels/ folder shadow the `kernels` package that transformers imports.
-# --durations=30 lists the slowest tests at the end of the log: where the suite's time goes on CI's machine.
+# The suite runs in TEST_WORKERS processes (pytest-xdist; CI's machine has 2 cores), a test file to a worker so that a
+# file's module fixtures run once, with one OpenMP thread each unless OMP_NUM_THREADS says otherwise (two workers of
+# two threads each would oversubscribe two cores). The real model is built before they start, so that they do not
+# both build it. --durations=30 lists the slowest tests at the end of the log: where the time goes on CI's machine.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(DEEPSPEED_STAMP) $(QUANT_STAMP)
 	$(VENV)/bin/ruff check .
 	$(MAKE) docs
-	$(VENV)/bin/pytest -q --durations=30
+	-$(PY) tools/real_model.py
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 # The documentation site (docs/, mkdocs.yml) into site/; --strict fails on any warning (a broken link or anchor, a
 # docstring mkdocstrings cannot read). NO_MKDOCS_2_WARNING silences mkdocs-material's banner about MkDocs 2.0.
