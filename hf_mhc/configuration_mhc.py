@@ -284,12 +284,6 @@ class MHCConfig(PreTrainedConfig):
             super().__setattr__(name, value)
 
     @property
-    def text_config(self) -> PreTrainedConfig:
-        """The backbone config, under the name transformers looks for a text sub-config by: ``get_text_config()``
-        returns it, and with it the vocabulary, layers, cache layout and special tokens."""
-        return self.backbone_config
-
-    @property
     def base_model_tp_plan(self) -> dict[str, str] | None:
         """The backbone's tensor-parallel plan. mHC keeps every backbone module name, and its float32 HC modules,
         which the plan does not name, stay replicated: each rank computes the maps on the full streams."""

@@ -22,7 +22,10 @@ def test_nested_backbone_from_config_or_dict():
     from_dict = MHCConfig(backbone_config=tiny_backbone_config("qwen2").to_dict(), hc_mult=3)
     for config in (from_config, from_dict):
         assert isinstance(config.backbone_config, Qwen2Config)
-        assert config.get_text_config() is config.backbone_config
+        # The mHC config is its own text config (one model, not a composite): serving engines that take a text
+        # sub-config for a multimodal model's (vLLM) see a text model; it reads the backbone's settings through.
+        assert config.get_text_config() is config.get_text_config(decoder=True) is config
+        assert config.get_text_config().vocab_size == config.backbone_config.vocab_size
         assert config.hc_mult == 3 and config.hc_sinkhorn_iters == 20 and config.hc_eps == 1e-6
     assert isinstance(MHCConfig().backbone_config, LlamaConfig)
 

@@ -154,7 +154,7 @@ def test_return_dict_false_returns_tuples():
 def test_config_reads_and_writes_the_backbone_settings(tmp_path):
     model = random_mhc()
     config = model.config
-    assert config.get_text_config() is config.get_text_config(decoder=True) is config.backbone_config
+    assert config.get_text_config() is config.get_text_config(decoder=True) is config
     assert (config.vocab_size, config.hidden_size, config.num_attention_heads) == (VOCAB, 32, 4)
     config.use_cache = False  # as Trainer does under gradient checkpointing: the model must follow it
     assert config.backbone_config.use_cache is False and "use_cache" not in config.to_dict()

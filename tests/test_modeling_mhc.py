@@ -105,6 +105,27 @@ def test_eager_and_sdpa_agree(family, tmp_path):
     torch.testing.assert_close(eager_logits[real], sdpa_logits[real], **FLOAT32_TOLERANCES["logits"])
 
 
+def test_an_attention_set_on_the_text_config_reaches_the_backbones_attention():
+    """What vLLM's Transformers backend does: set ``_attn_implementation`` on ``config.get_text_config()`` to an
+    attention function it registered, then build the model from the config; every layer's attention must call it."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls = []
+
+    def recording_attention(module, *args, **kwargs):
+        calls.append(module.layer_idx)
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    AttentionInterface.register("hf_mhc_test_recording", recording_attention)
+    config = random_mhc("llama").config
+    config.get_text_config()._attn_implementation = "hf_mhc_test_recording"
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model(token_ids())
+    assert calls == list(range(config.num_hidden_layers))
+
+
 def test_gradient_checkpointing_gives_the_same_gradients():
     model = random_mhc("qwen3").train()
     ids = token_ids()
