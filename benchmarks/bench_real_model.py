@@ -224,6 +224,11 @@ def training_step(model, optimizer, ids: torch.Tensor, autocast: bool) -> float:
     return time.perf_counter() - start
 
 
+def precision_name(dtype: str) -> str:
+    """How a ``--dtypes`` entry trains: ``float32``, or ``bfloat16 autocast``."""
+    return f"{dtype} autocast" if dtype == "bfloat16" else dtype
+
+
 def train(source, mhc, args: argparse.Namespace) -> dict:
     ids = training_ids(source.config.vocab_size, args)
     models = {"residual": source.train(), "mhc": mhc.train()}
@@ -237,7 +242,7 @@ def train(source, mhc, args: argparse.Namespace) -> dict:
 
     rows = []
     for dtype in args.dtypes:
-        label = f"train, {dtype}" + (" autocast" if dtype == "bfloat16" else "")
+        label = f"train, {precision_name(dtype)}"
         runs = {name: functools.partial(step, name, dtype == "bfloat16") for name in TRAINING_CASES}
         for name, run in runs.items():
             progress(f"{label}: warm-up step of {name}")
@@ -286,9 +291,8 @@ def train_table(section: dict, args: argparse.Namespace) -> list[str]:
              "| precision | model | median ms | / residual (min-max) |",
              "| --- | --- | ---: | ---: |"]
     for row in section["rows"]:
-        precision = "bfloat16 autocast" if row["dtype"] == "bfloat16" else row["dtype"]
-        lines.append(f"| {precision} | {row['case']} | {row['median_ms']:.0f} | {row['ratio_of_medians']:.3f} "
-                     f"({row['ratio_min']:.3f}-{row['ratio_max']:.3f}) |")
+        lines.append(f"| {precision_name(row['dtype'])} | {row['case']} | {row['median_ms']:.0f} | "
+                     f"{row['ratio_of_medians']:.3f} ({row['ratio_min']:.3f}-{row['ratio_max']:.3f}) |")
     profiled = [row for row in section["rows"] if "profile_ms" in row]
     if profiled:
         parts = ("step", "hf_mhc_ops", "optimizer", "matmuls", "rest")
@@ -296,8 +300,7 @@ def train_table(section: dict, args: argparse.Namespace) -> list[str]:
                   "the AdamW step, matrix products outside hf-mhc's ops, the rest",
                   "| precision | model | " + " | ".join(parts) + " |", "| --- | --- |" + " ---: |" * len(parts)]
         for row in profiled:
-            precision = "bfloat16 autocast" if row["dtype"] == "bfloat16" else row["dtype"]
-            lines.append(f"| {precision} | {row['case']} | "
+            lines.append(f"| {precision_name(row['dtype'])} | {row['case']} | "
                          + " | ".join(f"{row['profile_ms'][part]:.0f}" for part in parts) + " |")
     return lines
 
