@@ -167,6 +167,14 @@ def measure(urls: dict[str, str], folders: dict[str, Path], prompt: str, concurr
                      "throughput_ratio_max": max(ratios)}
 
 
+def table_row(label: str, run: dict) -> str:
+    """The results table's row of one :func:`measure` ``run``, first column ``label``."""
+    return (f"| {label} | {run['concurrency']} | {run['residual_tokens_per_s']:.1f} | {run['mhc_tokens_per_s']:.1f} | "
+            f"{run['throughput_ratio_median']:.3f} ({run['throughput_ratio_min']:.3f}-"
+            f"{run['throughput_ratio_max']:.3f}) | {run['residual_latency_p50_s']:.2f} / "
+            f"{run['residual_latency_p99_s']:.2f} | {run['mhc_latency_p50_s']:.2f} / {run['mhc_latency_p99_s']:.2f} |")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, metavar="FOLDER",
@@ -228,12 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
                     run = measure({name: url for name, (_, url) in servers.items()}, folders, prompt, concurrency,
                                   args, label)
                     results["cases"].append({"mode": mode} | run)
-                    lines.append(
-                        f"| {mode} | {concurrency} | {run['residual_tokens_per_s']:.1f} | {run['mhc_tokens_per_s']:.1f}"
-                        f" | {run['throughput_ratio_median']:.3f} ({run['throughput_ratio_min']:.3f}-"
-                        f"{run['throughput_ratio_max']:.3f}) | {run['residual_latency_p50_s']:.2f} / "
-                        f"{run['residual_latency_p99_s']:.2f} | {run['mhc_latency_p50_s']:.2f} / "
-                        f"{run['mhc_latency_p99_s']:.2f} |")
+                    lines.append(table_row(mode, run))
             finally:
                 for process, _ in servers.values():
                     stop_server(process)

@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 
 from bench_real_model import real_model_folder
-from bench_serve import free_port, measure, save_models, stop_server
+from bench_serve import free_port, measure, save_models, stop_server, table_row
 from benchlib import add_json_argument, load_average_line, progress, report
 from transformers import AutoTokenizer
 
@@ -149,12 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
                     run = measure(urls, folders, prompt, concurrency, args, f"{label}: concurrency {concurrency}",
                                   {"ignore_eos": True})
                     results["cases"][-1] |= {str(concurrency): run}
-                    lines.append(
-                        f"| {path} | {concurrency} | {run['residual_tokens_per_s']:.1f} | {run['mhc_tokens_per_s']:.1f}"
-                        f" | {run['throughput_ratio_median']:.3f} ({run['throughput_ratio_min']:.3f}-"
-                        f"{run['throughput_ratio_max']:.3f}) | {run['residual_latency_p50_s']:.2f} / "
-                        f"{run['residual_latency_p99_s']:.2f} | {run['mhc_latency_p50_s']:.2f} / "
-                        f"{run['mhc_latency_p99_s']:.2f} |")
+                    lines.append(table_row(path, run))
             finally:
                 for process in servers.values():
                     stop_server(process)
