@@ -19,8 +19,8 @@ DEEPSPEED       ?= deepspeed==0.19.8
 QUANT_SITE    := $(VENV)/quant-site
 QUANT_STAMP   := $(QUANT_SITE)/.installed
 QUANT_WEIGHTS ?= torchao==0.18.0 optimum-quanto==0.2.7
-# vLLM's CPU build for tests/test_vllm.py and benchmarks/bench_vllm.py only, in a venv of its own: its pins (its own
-# torch, transformers<5.20) conflict with the project's, and transformers changes what it does where vLLM can be
+# vLLM's CPU build for tests/test_vllm.py and benchmarks/bench_vllm.py only, in a venv of its own: its pin of
+# transformers (<5.20) conflicts with the project's, and transformers changes what it does where vLLM can be
 # imported (tools/vllm_env.py says what goes in; hf-mhc is installed there editable, so it is remade when
 # pyproject.toml changes).
 VLLM_VENV  := $(VENV)/vllm
@@ -74,15 +74,17 @@ demo: $(STAMP)
 # pytest and ruff run from the venv, not `python -m`, which would put the repo root on sys.path
 # and let the top-level kernels/ folder shadow the `kernels` package that transformers imports.
 # The suite runs in TEST_WORKERS processes (pytest-xdist; CI's machine has 2 cores), a test file to a worker so that a
-# file's module fixtures run once, the longest files first (tests/conftest.py, LONG_TEST_FILES), with one OpenMP thread each unless OMP_NUM_THREADS says otherwise (two workers of
-# two threads each would oversubscribe two cores). The real model is built before they start, so that they do not
-# both build it. --durations=30 lists the slowest tests at the end of the log: where the time goes on CI's machine.
+# file's module fixtures run once, the longest files first (tests/conftest.py, LONG_TEST_FILES), with one OpenMP
+# thread each unless OMP_NUM_THREADS says otherwise (two workers of two threads each would oversubscribe two cores).
+# The real model is built before they start, so that they do not both build it. --durations=30 lists the slowest
+# tests at the end of the log: where the time goes on CI's machine.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(DEEPSPEED_STAMP) $(QUANT_STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
 	$(MAKE) docs
 	-$(PY) tools/real_model.py
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=30
 
 # The documentation site (docs/, mkdocs.yml) into site/; --strict fails on any warning (a broken link or anchor, a
 # docstring mkdocstrings cannot read). NO_MKDOCS_2_WARNING silences mkdocs-material's banner about MkDocs 2.0.
