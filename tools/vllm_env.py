@@ -59,7 +59,11 @@ def run(step: str, *command: str) -> str:
     with the last line pip or Python printed."""
     print(f"vllm-env: {step}", end="", flush=True)
     start = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True)
+    except OSError as error:  # the program itself is missing or cannot run
+        print(flush=True)
+        raise Failure(f"{step} failed: {error}") from error
     print(f" ({time.perf_counter() - start:.0f} s)", flush=True)
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or result.stdout.strip().splitlines() or ["no output"])[-1]
