@@ -26,14 +26,14 @@ os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model(served) bel
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
-HC_PARAMETER = ("_hc.", "hc_head.")  # hf-mhc's HC parameter names: attn_hc.*, ffn_hc.*, hc_head.*
+from hf_mhc.conversion import is_hc_parameter  # noqa: E402
 
 
 def served(model) -> dict:
     """What vLLM built: its class and the parameters' dtypes, HC and other."""
     dtypes = {"hc": set(), "other": set()}
     for name, parameter in model.named_parameters():
-        dtypes["hc" if any(part in name for part in HC_PARAMETER) else "other"].add(str(parameter.dtype))
+        dtypes["hc" if is_hc_parameter(name) else "other"].add(str(parameter.dtype))
     return {"class": type(model).__name__, "dtypes": {key: sorted(value) for key, value in dtypes.items()}}
 
 
