@@ -65,6 +65,14 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_
             "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": ""}
 
 
+def vllm_environment() -> dict[str, str]:
+    """This process's environment for vLLM's processes, with :data:`VLLM_ENV` and without ``ATEN_CPU_CAPABILITY``:
+    vLLM compiles parts of every engine with inductor (eager or not), whose CPU code does not build under
+    ``ATEN_CPU_CAPABILITY=default`` (``'at::vec' has not been declared``); transformers' references in this process
+    still take the kernels it names."""
+    return {**{key: value for key, value in os.environ.items() if key != "ATEN_CPU_CAPABILITY"}, **VLLM_ENV}
+
+
 @pytest.fixture(scope="module")
 def folders(real_model_built, tmp_path_factory) -> dict[str, Path]:
     """The real model upcycled to :data:`HC_MULT` streams (the source's function), the same with random
@@ -128,7 +136,7 @@ def vllm_results(folders, tmp_path_factory) -> dict[str, dict]:
     (work / "spec.json").write_text(json.dumps(spec))
     ran = subprocess.run([str(VLLM_PYTHON), str(REPO / "tests" / "vllm_workers" / "generate.py"),
                           str(work / "spec.json")], cwd=work, capture_output=True, text=True,
-                         timeout=WORKER_TIMEOUT_S, env={**os.environ, **VLLM_ENV})
+                         timeout=WORKER_TIMEOUT_S, env=vllm_environment())
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-6000:]
     results = [json.loads(line.removeprefix("RESULT ")) for line in ran.stdout.splitlines()
                if line.startswith("RESULT ")]
@@ -214,7 +222,7 @@ def server(folders, tmp_path_factory):
                "--served-model-name", "mhc", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
                "--trust-remote-code", "--host", "127.0.0.1", "--port", str(port)]
     with open(log, "w") as output:
-        process = subprocess.Popen(command, env={**os.environ, **VLLM_ENV}, stdout=output, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(command, env=vllm_environment(), stdout=output, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
